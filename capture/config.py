@@ -1,0 +1,131 @@
+"""One frozen dataclass configures a run; the CLI, a YAML file and Python callers all build it."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from capture.errors import CaptureError
+from filters import FilterConfig
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.I)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """``"512MiB"`` → 536870912; plain integers are bytes. Raises CaptureError on anything else."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    unit = (m.group(2) or "").lower() if m else None
+    if not m or unit not in _UNITS:
+        raise CaptureError(f"not a size: {text!r} (use e.g. 512MiB, 2GB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything a capture run needs. Defaults are the embedded SmolLM2 + ShareGPT job.
+
+    Sizes are bytes; token counts are tokens after the chat template. ``layers`` None = the target's
+    default taps; ``final`` None = the target's default final state.
+    """
+
+    out: str
+    target: str = "smollm2-135m"
+    dataset: str = "sharegpt"
+    split: str = "train"
+    layers: tuple[int, ...] | None = None
+    final: Literal["none", "post-norm", "pre-norm"] | None = None
+    argmax: bool = True
+    limit: int | None = None
+    sources: tuple[str, ...] = ()
+    exclude_sources: tuple[str, ...] = ()
+    source_caps: tuple[tuple[str, int], ...] = ()
+    alternation: Literal["normalize", "skip"] = "normalize"
+    chat_template: str | None = None  # file path overriding the tokenizer's template
+    system_prompt: str | None = None
+    special_text: Literal["drop", "keep"] = "drop"
+    filters: FilterConfig = FilterConfig()
+    codec: str = "bf16"
+    shard_size: int = 512 * 2**20
+    batch_tokens: int = 8192  # padded tokens per forward
+    unit_tokens: int = 32768  # tokens per work unit handed to a replica
+    replicas: int = 1
+    cpus_per_replica: int | None = None  # None: all CPUs Ray sees, split over replicas
+    ray_address: str | None = None  # None: start a local Ray instance
+    engine: str = "hf"
+    dry_run: bool = False
+    progress: bool = True
+
+
+_FILTER_FIELDS = {f.name for f in dataclasses.fields(FilterConfig)}
+_RUN_FIELDS = {f.name for f in dataclasses.fields(RunConfig)}
+
+
+def from_mapping(values: dict[str, Any]) -> RunConfig:
+    """Build a RunConfig from flat keys (CLI flags or a YAML file; ``-`` and ``_`` are the same).
+
+    Filter keys (min_tokens, max_tokens, min_loss_tokens, overlength, dedup) may be flat or under
+    ``filters:``. Raises CaptureError for an unknown key or a missing ``out``.
+    """
+    flat = {k.replace("-", "_"): v for k, v in values.items() if v is not None}
+    nested = flat.pop("filters", None) or {}
+    flat.update({k.replace("-", "_"): v for k, v in nested.items()})
+    unknown = sorted(set(flat) - _RUN_FIELDS - _FILTER_FIELDS)
+    if unknown:
+        raise CaptureError(f"unknown config key(s): {', '.join(unknown)}")
+    if "out" not in flat:
+        raise CaptureError("--out is required (the run folder)")
+    filters = FilterConfig(**{k: flat.pop(k) for k in list(flat) if k in _FILTER_FIELDS})
+    from capture.targets import parse_layers
+
+    if "layers" in flat:
+        flat["layers"] = parse_layers(flat["layers"])
+    for key in ("sources", "exclude_sources"):
+        if isinstance(flat.get(key), str):
+            flat[key] = tuple(s for s in flat[key].split(",") if s)
+        elif key in flat:
+            flat[key] = tuple(flat[key])
+    if "source_caps" in flat:
+        flat["source_caps"] = _parse_caps(flat["source_caps"])
+    for key in ("shard_size", "batch_tokens", "unit_tokens"):
+        if key in flat:
+            flat[key] = parse_size(flat[key])
+    return RunConfig(filters=filters, **flat)
+
+
+def _parse_caps(value) -> tuple[tuple[str, int], ...]:
+    """``{"a": 10}``, ``["a=10"]`` or ``"a=10,b=5"`` → ``(("a", 10), ...)``."""
+    if isinstance(value, dict):
+        items = list(value.items())
+    else:
+        parts = value.split(",") if isinstance(value, str) else list(value)
+        items = []
+        for p in parts:
+            name, sep, n = str(p).rpartition("=")
+            if not sep:
+                raise CaptureError(f"--source-cap wants SOURCE=N, got {p!r}")
+            items.append((name, n))
+    try:
+        return tuple((str(k), int(v)) for k, v in items)
+    except ValueError:
+        raise CaptureError(f"--source-cap counts must be integers: {value!r}") from None
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Read a run config file (a YAML mapping of RunConfig keys). Raises CaptureError if unreadable."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise CaptureError(f"cannot read config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise CaptureError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise CaptureError(f"{path}: expected a mapping of run settings")
+    return data

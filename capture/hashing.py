@@ -1,0 +1,27 @@
+"""The hashes the manifest, shards and provenance rely on (all SHA-256, hex)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+
+
+def token_sha256(input_ids: np.ndarray) -> str:
+    """SHA-256 of the little-endian int32 bytes of ``input_ids`` (the shard column ``token_sha256``)."""
+    return hashlib.sha256(np.ascontiguousarray(input_ids, dtype="<i4").tobytes()).hexdigest()
+
+
+def text_sha256(text: str) -> str:
+    """SHA-256 of the UTF-8 bytes of ``text`` (chat templates, serialized tokenizers)."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """SHA-256 of a file, streamed in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

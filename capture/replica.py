@@ -1,0 +1,92 @@
+"""One engine replica: takes work units of tokenized records, prefills them, writes shards.
+
+A replica runs as a Ray actor (see :mod:`capture.run`); it owns an engine and a
+:class:`shards.writer.ShardWriter`. It never touches the manifest: it returns the shards it closed and
+the driver commits them, so two replicas never claim the same shard or sample.
+
+Write-time validation: a record whose states hold NaN or Inf is rejected with the reason
+``nonfinite_states`` (counted, not written); a length mismatch between ids, mask, argmax and states is a
+bug in an engine and raises RuntimeError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from capture.chat import Tokenized
+from capture.engines.hf import Captured, HFEngine
+from capture.targets import Taps
+from shards.format import schema
+from shards.writer import Row, ShardInfo, ShardWriter
+
+
+@dataclasses.dataclass
+class UnitResult:
+    shards: list[ShardInfo]
+    rejected: dict[str, str]  # sample_id → reason
+    tokens: int  # tokens prefilled in this unit
+    rows: int
+
+
+def length_batches(records: Sequence[Tokenized], batch_tokens: int) -> list[list[Tokenized]]:
+    """Group records by length (longest first) into batches of at most ``batch_tokens`` padded tokens;
+    a record longer than the budget gets a batch of its own."""
+    ordered = sorted(records, key=lambda r: r.num_tokens, reverse=True)
+    batches: list[list[Tokenized]] = []
+    for rec in ordered:
+        if batches and (len(batches[-1]) + 1) * batches[-1][0].num_tokens <= batch_tokens:
+            batches[-1].append(rec)
+        else:
+            batches.append([rec])
+    return batches
+
+
+def to_row(rec: Tokenized, cap: Captured, hidden_size: int) -> Row | str:
+    """Validate one captured record. Returns a Row, or the rejection reason."""
+    n = rec.num_tokens
+    for column, t in cap.states.items():
+        if tuple(t.shape) != (n, hidden_size):
+            raise RuntimeError(f"{rec.sample_id}: {column} has shape {tuple(t.shape)}, expected ({n}, {hidden_size})")
+    if cap.argmax is not None and cap.argmax.shape != (n,):
+        raise RuntimeError(f"{rec.sample_id}: argmax has {cap.argmax.shape[0]} entries for {n} tokens")
+    if rec.loss_mask.shape != (n,):
+        raise RuntimeError(f"{rec.sample_id}: loss mask has {rec.loss_mask.shape[0]} entries for {n} tokens")
+    for column, t in cap.states.items():
+        if not bool(torch.isfinite(t).all()):
+            return f"nonfinite_states:{column}"
+    return Row(rec.sample_id, rec.source, rec.row_index, rec.input_ids, rec.loss_mask, cap.argmax, cap.states,
+               rec.token_sha256)
+
+
+class Replica:
+    """Engine + shard writer. ``header`` is the run header (shards.format.header)."""
+
+    def __init__(self, model_dir: str, taps: Taps, header: dict, out_dir: str, *, shard_size: int,
+                 batch_tokens: int, threads: int | None = None):
+        self.engine = HFEngine(model_dir, taps, argmax=header["argmax"], dtype=header["dtype"], threads=threads)
+        self.hidden_size = header["hidden_size"]
+        self.batch_tokens = batch_tokens
+        self.writer = ShardWriter(out_dir, schema(header), shard_size)
+
+    def process(self, unit: Sequence[Tokenized]) -> UnitResult:
+        """Prefill and write one work unit; returns the shards closed meanwhile and the rejections."""
+        result = UnitResult([], {}, 0, 0)
+        for batch in length_batches(unit, self.batch_tokens):
+            rows = []
+            for rec, cap in zip(batch, self.engine.forward([r.input_ids for r in batch])):
+                row = to_row(rec, cap, self.hidden_size)
+                if isinstance(row, str):
+                    result.rejected[rec.sample_id] = row
+                else:
+                    rows.append(row)
+            result.shards += self.writer.write(rows)
+            result.tokens += sum(r.num_tokens for r in batch)
+            result.rows += len(rows)
+        return result
+
+    def finish(self) -> list[ShardInfo]:
+        """Close the open shard; returns it (for the driver to commit)."""
+        return self.writer.close()

@@ -1,0 +1,304 @@
+"""The driver: dataset rows → conversations → tokens + loss mask → filters → work units → replicas.
+
+Replicas are Ray actors (a local ``ray.init()`` unless ``ray_address`` is given); the driver streams the
+dataset (never holding it), tokenizes and filters in order, hands work units of ~``unit_tokens`` tokens
+to an :class:`ray.util.ActorPool` with one unit in flight per replica, and commits every shard a replica
+closes with one manifest line. Rerunning the same command resumes: sample ids already in the manifest
+are skipped before tokenization, and the dedup filter is seeded with the committed token hashes.
+
+A run stops cleanly (everything committed stays committed, no completion record) when the disk is about
+to fill or fills; a run that keeps no record at all raises CaptureError with the counts by reason.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import errno
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+from capture.chat import ChatEncoder, Tokenized, load_encoder, tokenizer_sha256
+from capture.config import RunConfig
+from capture.data import ReadStats, iter_conversations, resolve_dataset
+from capture.errors import CaptureError
+from capture.targets import Taps, Target, make_taps, model_dir, resolve_target
+from filters import apply_filters
+from shards import format as shard_format
+from shards import manifest as manifest_mod
+
+log = logging.getLogger(__name__)
+
+DISK_RESERVE = 64 * 2**20  # bytes kept free on the output disk beyond the next unit's estimate
+LOCK = ".capture.lock"  # held by the driver for the whole run: one writer per run folder
+ZSTD_RATIO = 0.80  # measured: zstd-3 keeps 0.80x of raw bf16 hidden states (FIELD-NOTES)
+
+
+@dataclasses.dataclass
+class Summary:
+    """What a run did. Counts are for this invocation; ``total_*`` are the whole run's (manifest)."""
+
+    out: str
+    rows_read: int = 0
+    already_committed: int = 0
+    kept: int = 0  # records sent to the engine
+    committed_rows: int = 0
+    committed_tokens: int = 0
+    committed_loss_tokens: int = 0
+    committed_bytes: int = 0
+    shards: int = 0
+    skipped: dict = dataclasses.field(default_factory=dict)  # reason → rows (data, template, filters)
+    rejected: dict = dataclasses.field(default_factory=dict)  # reason → rows (write-time validation)
+    normalized: dict = dataclasses.field(default_factory=dict)
+    truncated_input: str | None = None
+    total_rows: int = 0
+    total_tokens: int = 0
+    seconds: float = 0.0
+    estimated_bytes: int | None = None  # dry run only
+    estimated_tokens: int | None = None  # dry run only
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    target: Target
+    taps: Taps
+    model_dir: str
+    encoder: ChatEncoder
+    header: dict
+    context_len: int | None
+
+
+def prepare(cfg: RunConfig) -> Prepared:
+    """Resolve target, taps, model folder, tokenizer and run header (no engine loaded)."""
+    if cfg.engine != "hf":
+        raise CaptureError(f"--engine {cfg.engine}: only the hf engine is available in this version")
+    target = resolve_target(cfg.target)
+    taps = make_taps(target, cfg.layers, cfg.final)
+    mdir = model_dir(target)
+    encoder = load_encoder(str(mdir), chat_template_file=cfg.chat_template, system_prompt=cfg.system_prompt,
+                           special_text=cfg.special_text)
+    model_cfg = json.loads((mdir / "config.json").read_text())
+    header = shard_format.header(
+        target={"name": target.name, "source": target.source, "revision": target.revision,
+                "architecture": target.architecture, "num_layers": target.num_layers},
+        taps=taps.describe(),
+        columns=list(taps.columns),
+        hidden_size=target.hidden_size,
+        dtype=target.dtype,
+        codec=cfg.codec,
+        argmax=cfg.argmax,
+        chat_template=encoder.template,
+        chat_template_sha256=encoder.template_sha256,
+        tokenizer_sha256=tokenizer_sha256(encoder.tokenizer),
+    )
+    return Prepared(target, taps, str(mdir), encoder, header, model_cfg.get("max_position_embeddings"))
+
+
+def _records(cfg: RunConfig, prep: Prepared, summary: Summary, done: set[str], seen: set[str]):
+    """Stream kept records in dataset order; every other row is counted in ``summary.skipped``."""
+    stats = ReadStats()
+    ref = resolve_dataset(cfg.dataset, cfg.split)
+    skipped: collections.Counter = collections.Counter()
+    specials = prep.encoder.special_strings()
+    convs = iter_conversations(ref, stats, limit=cfg.limit, sources=cfg.sources,
+                               exclude_sources=cfg.exclude_sources, source_caps=dict(cfg.source_caps) or None,
+                               alternation=cfg.alternation)
+    try:
+        for conv in convs:
+            if conv.sample_id in done:
+                summary.already_committed += 1
+                continue
+            rec = prep.encoder.encode(conv, specials)
+            if isinstance(rec, str):
+                skipped[rec] += 1
+                continue
+            rec, reason = apply_filters(rec, cfg.filters, seen, prep.context_len)
+            if reason:
+                skipped[reason] += 1
+                log.debug("%s dropped: %s", conv.sample_id, reason)
+                continue
+            summary.kept += 1
+            yield rec
+    finally:
+        summary.rows_read = stats.rows_read
+        summary.skipped = dict(stats.skipped + skipped)
+        summary.normalized = dict(stats.normalized)
+        summary.truncated_input = stats.truncated
+
+
+def _units(records, unit_tokens: int):
+    unit: list[Tokenized] = []
+    size = 0
+    for rec in records:
+        unit.append(rec)
+        size += rec.num_tokens
+        if size >= unit_tokens:
+            yield unit
+            unit, size = [], 0
+    if unit:
+        yield unit
+
+
+def bytes_per_token(header: dict) -> float:
+    """Estimated stored bytes per token: states at the zstd ratio, plus ids, mask and argmax."""
+    states = len(header["columns"]) * header["hidden_size"] * 2 * ZSTD_RATIO
+    return states + 4 + 1 + (4 if header["argmax"] else 0)
+
+
+def plan(cfg: RunConfig) -> Summary:
+    """``--dry-run``: read, tokenize and filter exactly as the run would; estimate tokens and bytes."""
+    prep = prepare(cfg)
+    m = manifest_mod.read(cfg.out)
+    if m.header is not None and (diff := manifest_mod.identity_diff(m.header, prep.header)):
+        raise CaptureError(f"{cfg.out} holds a run with a different {', '.join(diff)}; use another --out")
+    summary = Summary(out=cfg.out)
+    seen = m.token_hashes() if cfg.filters.dedup else set()
+    tokens = sum(r.num_tokens for r in _records(cfg, prep, summary, m.sample_ids(), seen))
+    summary.estimated_tokens = tokens
+    summary.estimated_bytes = int(tokens * bytes_per_token(prep.header))
+    summary.total_rows = sum(s["rows"] for s in m.shards)
+    return summary
+
+
+def _free_bytes(path: str) -> int:
+    return shutil.disk_usage(path).free
+
+
+def run(cfg: RunConfig) -> Summary:
+    """Run (or resume, or extend) the capture described by ``cfg``. Returns the :class:`Summary`.
+
+    Raises CaptureError on user errors, on a conflicting existing run, when the disk fills (after a
+    clean stop), and when no record at all could be kept.
+    """
+    if cfg.dry_run:
+        return plan(cfg)
+
+    from filelock import FileLock, Timeout
+
+    started = time.time()
+    prep = prepare(cfg)
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    lock = FileLock(Path(cfg.out) / LOCK)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise CaptureError(f"another capture is writing to {cfg.out} (it holds {LOCK}); wait for it or use another --out") from None
+    try:
+        return _run_locked(cfg, prep, started)
+    finally:
+        lock.release()
+
+
+def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
+    import ray
+    from ray.util import ActorPool
+
+    writer, manifest = manifest_mod.ManifestWriter.open(cfg.out, prep.header)
+    garbage = manifest_mod.garbage(cfg.out, manifest)
+    if garbage:
+        log.warning("%s: %d uncommitted file(s) from an interrupted run are ignored; `capture shards gc %s` removes them",
+                    cfg.out, len(garbage), cfg.out)
+    if _free_bytes(cfg.out) < DISK_RESERVE:
+        raise CaptureError(f"only {_free_bytes(cfg.out) / 2**20:.0f} MiB free at {cfg.out}; free some space first")
+    summary = Summary(out=cfg.out)
+    seen = manifest.token_hashes() if cfg.filters.dedup else set()
+    per_token = bytes_per_token(prep.header)
+
+    we_started_ray = not ray.is_initialized()
+    if we_started_ray:
+        ray.init(address=cfg.ray_address, num_cpus=None if cfg.ray_address else os.cpu_count(),
+                 include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+    cpus = cfg.cpus_per_replica or max(1, int(ray.available_resources().get("CPU", 1)) // cfg.replicas)
+    actor_cls = ray.remote(num_cpus=cpus)(_replica_class())
+    actors = [actor_cls.remote(prep.model_dir, prep.taps, prep.header,
+                               str(Path(cfg.out).resolve()), shard_size=cfg.shard_size,
+                               batch_tokens=cfg.batch_tokens, threads=cpus) for _ in range(cfg.replicas)]
+    pool = ActorPool(actors)
+    bar = _progress(cfg)
+    rejected: collections.Counter = collections.Counter()
+
+    def commit(infos) -> None:
+        for info in infos:
+            writer.commit(info)
+            summary.shards += 1
+            summary.committed_rows += info.rows
+            summary.committed_tokens += info.tokens
+            summary.committed_loss_tokens += info.loss_tokens
+            summary.committed_bytes += info.bytes
+
+    def collect() -> None:
+        result = pool.get_next_unordered()
+        commit(result.shards)
+        rejected.update(result.rejected.values())
+        bar.update(result.tokens)
+        bar.set_postfix(rows=summary.committed_rows, shards=summary.shards, refresh=False)
+
+    stop: str | None = None
+    try:
+        for unit in _units(_records(cfg, prep, summary, manifest.sample_ids(), seen), cfg.unit_tokens):
+            need = sum(r.num_tokens for r in unit) * per_token * (cfg.replicas + 1) + DISK_RESERVE
+            if _free_bytes(cfg.out) < need:
+                stop = f"only {_free_bytes(cfg.out) / 2**20:.0f} MiB free at {cfg.out}, the next unit needs ~{need / 2**20:.0f} MiB"
+                break
+            if not pool.has_free():
+                collect()
+            pool.submit(lambda actor, u: actor.process.remote(u), unit)
+        while pool.has_next():
+            collect()
+        for infos in ray.get([a.finish.remote() for a in actors]):
+            commit(infos)
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, OSError) and e.cause.errno == errno.ENOSPC:
+            stop = f"the disk at {cfg.out} is full ({e.cause})"
+        else:
+            raise
+    finally:
+        bar.close()
+        if we_started_ray:
+            ray.shutdown()
+    summary.rejected = dict(rejected)
+    manifest_now = manifest_mod.read(cfg.out)
+    summary.total_rows = sum(s["rows"] for s in manifest_now.shards)
+    summary.total_tokens = sum(s["tokens"] for s in manifest_now.shards)
+    summary.seconds = round(time.time() - started, 2)
+    if stop:
+        raise CaptureError(
+            f"stopped cleanly: {stop}; {summary.shards} shard(s) committed in this run, nothing half-written. "
+            "Free some space and rerun the same command to resume"
+        )
+    writer.complete({
+        "end_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "rows_read": summary.rows_read,
+        "committed_rows": summary.committed_rows,
+        "already_committed": summary.already_committed,
+        "skipped": summary.skipped,
+        "rejected": summary.rejected,
+        "normalized": summary.normalized,
+        "truncated_input": summary.truncated_input,
+        "total_rows": summary.total_rows,
+        "total_tokens": summary.total_tokens,
+    })
+    if summary.total_rows == 0:
+        reasons = {**summary.skipped, **summary.rejected}
+        detail = ", ".join(f"{k}={v}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])) or "no rows read"
+        raise CaptureError(f"no records written: all {summary.rows_read} rows read were dropped ({detail})")
+    return summary
+
+
+def _replica_class():
+    from capture.replica import Replica
+
+    return Replica
+
+
+def _progress(cfg: RunConfig):
+    from tqdm import tqdm
+
+    return tqdm(desc="capture", unit="tok", unit_scale=True, disable=not cfg.progress, dynamic_ncols=True)

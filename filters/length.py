@@ -1,0 +1,62 @@
+"""Record filters, applied in the driver after tokenization and before the engine.
+
+Order: model context and ``max_tokens`` (drop or truncate), ``min_tokens``, ``min_loss_tokens``, the
+validity rule (at least one supervised token, always on), exact duplicates by ``token_sha256``. Each
+dropped record gets exactly one reason:
+
+=====================  ==============================================================
+reason                 meaning
+=====================  ==============================================================
+over_context           longer than the model's ``max_position_embeddings`` (drop policy)
+over_max_tokens        longer than ``max_tokens`` (drop policy)
+under_min_tokens       shorter than ``min_tokens`` (after truncation)
+under_min_loss_tokens  fewer supervised tokens than ``min_loss_tokens``
+no_loss_tokens         no supervised token at all (validity; e.g. truncated before the first answer)
+duplicate              same ``token_sha256`` as a record already kept or committed
+=====================  ==============================================================
+
+No filter is on by default except the model context and validity. The GLM-5.3-Flash DSpine drafter's
+data kept only conversations of about 1,000 tokens or more: ``min_tokens=1000``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from capture.chat import Tokenized
+
+
+@dataclasses.dataclass(frozen=True)
+class FilterConfig:
+    min_tokens: int | None = None
+    max_tokens: int | None = None
+    min_loss_tokens: int | None = None
+    overlength: Literal["drop", "truncate"] = "drop"
+    dedup: bool = False
+
+
+def apply_filters(
+    rec: Tokenized, cfg: FilterConfig, seen: set[str], context_len: int | None = None
+) -> tuple[Tokenized | None, str | None]:
+    """Returns ``(record, None)`` to keep (maybe truncated) or ``(None, reason)`` to drop.
+
+    ``seen`` holds the token hashes already kept; a kept record's hash is added when ``cfg.dedup``.
+    """
+    for limit, reason in ((context_len, "over_context"), (cfg.max_tokens, "over_max_tokens")):
+        if limit is not None and rec.num_tokens > limit:
+            if cfg.overlength == "drop":
+                return None, reason
+            rec = dataclasses.replace(rec, input_ids=rec.input_ids[:limit], loss_mask=rec.loss_mask[:limit])
+    if cfg.min_tokens is not None and rec.num_tokens < cfg.min_tokens:
+        return None, "under_min_tokens"
+    if cfg.min_loss_tokens is not None and rec.num_loss_tokens < cfg.min_loss_tokens:
+        return None, "under_min_loss_tokens"
+    if rec.num_loss_tokens == 0:
+        return None, "no_loss_tokens"
+    if cfg.dedup:
+        digest = rec.token_sha256
+        if digest in seen:
+            return None, "duplicate"
+        seen.add(digest)
+    return rec, None

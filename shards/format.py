@@ -1,0 +1,110 @@
+"""The shard format: zstd-compressed Arrow IPC stream files, one row per conversation.
+
+Columns (schema first, in this order):
+
+==================  ==========================  ==================================================
+column              Arrow type                  meaning
+==================  ==========================  ==================================================
+sample_id           string                      stable id ``<dataset>:<row index>``
+source              string                      the row's ``source`` column, else the dataset name
+row_index           int64                       row of the raw dataset
+input_ids           list<int32>                 ``[T]`` token ids (chat template applied)
+loss_mask           list<bool>                  ``[T]`` True where the assistant produced the token
+argmax              list<int32>                 ``[T]`` target's greedy prediction for token t+1 (if captured)
+num_tokens          int32                       T
+num_loss_tokens     int32                       ``sum(loss_mask)``
+token_sha256        string                      SHA-256 hex of the little-endian int32 bytes of input_ids
+tap_<k>             large_binary                ``[T, H]`` states after decoder layer k, raw bits
+final               large_binary                ``[T, H]`` final state (if stored), raw bits
+==================  ==========================  ==================================================
+
+State columns hold the row-major bytes of a ``[T, H]`` tensor; each field's metadata records ``dtype``
+(``bfloat16`` or ``float16``: some engines give fp16), ``shape`` and ``layer``. The schema metadata key
+``capture`` holds a JSON header (:func:`header`): format version, target, taps and conventions, hidden
+size, codec, chat template text and hash, tokenizer hash. Readers refuse an unknown major version.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+
+from capture.errors import CaptureError
+
+FORMAT_VERSION = "1.0"
+METADATA_KEY = b"capture"
+STATE_TYPE = pa.large_binary()
+CODECS = {"bf16": "Arrow IPC buffers compressed with zstd (lossless)"}
+
+
+class FormatError(CaptureError):
+    """A shard that this version cannot read, or that contradicts its manifest."""
+
+
+def schema(header: dict) -> pa.Schema:
+    """The Arrow schema for a run described by ``header`` (see :func:`header`)."""
+    fields = [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("source", pa.string(), nullable=False),
+        pa.field("row_index", pa.int64(), nullable=False),
+        pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.bool_()), nullable=False),
+    ]
+    if header["argmax"]:
+        fields.append(pa.field("argmax", pa.list_(pa.int32()), nullable=False))
+    fields += [
+        pa.field("num_tokens", pa.int32(), nullable=False),
+        pa.field("num_loss_tokens", pa.int32(), nullable=False),
+        pa.field("token_sha256", pa.string(), nullable=False),
+    ]
+    for column in header["columns"]:
+        layer = column.removeprefix("tap_") if column.startswith("tap_") else header["taps"]["final"]
+        meta = {"dtype": header["dtype"], "shape": f"[T, {header['hidden_size']}]", "layer": str(layer)}
+        fields.append(pa.field(column, STATE_TYPE, nullable=False, metadata=meta))
+    return pa.schema(fields, metadata={METADATA_KEY: json.dumps(header, sort_keys=True).encode()})
+
+
+def header(*, target: dict, taps: dict, columns: list[str], hidden_size: int, dtype: str, codec: str,
+           argmax: bool, chat_template: str, chat_template_sha256: str, tokenizer_sha256: str) -> dict:
+    """The run header stored in every shard's schema metadata and as the manifest's first line."""
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
+    return {
+        "format_version": FORMAT_VERSION,
+        "target": target,
+        "taps": taps,
+        "columns": columns,
+        "hidden_size": hidden_size,
+        "dtype": dtype,
+        "codec": codec,
+        "compression": "zstd",
+        "argmax": argmax,
+        "chat_template": chat_template,
+        "chat_template_sha256": chat_template_sha256,
+        "tokenizer_sha256": tokenizer_sha256,
+    }
+
+
+def read_header(schema_: pa.Schema) -> dict:
+    """The header of a shard's schema. Raises FormatError for a missing header or unknown major version."""
+    raw = (schema_.metadata or {}).get(METADATA_KEY)
+    if raw is None:
+        raise FormatError("not a capture shard: no 'capture' header in the schema metadata")
+    head = json.loads(raw)
+    check_version(head.get("format_version", "?"))
+    return head
+
+
+def check_version(version: str) -> None:
+    major = version.split(".")[0]
+    if major != FORMAT_VERSION.split(".")[0]:
+        raise FormatError(
+            f"shard format version {version} is not readable by this capture (reads {FORMAT_VERSION.split('.')[0]}.x); "
+            "upgrade capture or recode the shards"
+        )
+
+
+# Fields that must be equal for new shards to join an existing run (see shards.manifest).
+RUN_IDENTITY = ("target", "taps", "columns", "hidden_size", "dtype", "codec", "argmax", "chat_template_sha256",
+                "tokenizer_sha256")

@@ -1,0 +1,139 @@
+"""The manifest: ``manifest.jsonl`` in the run folder, the run's only commit log.
+
+Line 1 is the run header (``{"kind": "header", ...}``, see :func:`shards.format.header`). Each shard is
+committed by appending one ``{"kind": "shard", ...}`` line (path, rows, tokens, loss tokens, bytes,
+sha256, sample ids, token hashes) with an fsync: a shard file no line names is not part of the run.
+A finished run appends ``{"kind": "complete", ...}`` (counts by reason, end time); a resumed or extended
+run appends more shard lines and another completion record. A line torn by a crash (no trailing newline)
+is not committed: readers ignore it and the next writer cuts it off before appending.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from capture.errors import CaptureError
+from shards.format import RUN_IDENTITY, check_version
+from shards.writer import ShardInfo
+
+MANIFEST = "manifest.jsonl"
+
+
+@dataclasses.dataclass
+class Manifest:
+    """A parsed manifest. ``committed_bytes``: length of its complete lines (a torn tail lies beyond)."""
+
+    header: dict | None
+    shards: list[dict]
+    completions: list[dict]
+    committed_bytes: int
+    last_kind: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        """True when the last committed line is a completion record (nothing was appended since)."""
+        return self.last_kind == "complete"
+
+    def sample_ids(self) -> set[str]:
+        return {s for shard in self.shards for s in shard["sample_ids"]}
+
+    def token_hashes(self) -> set[str]:
+        return {h for shard in self.shards for h in shard["token_sha256"]}
+
+
+def read(run_dir: str | os.PathLike) -> Manifest:
+    """Parse ``run_dir/manifest.jsonl``; a missing file gives an empty Manifest.
+
+    Raises CaptureError for a corrupt line in the middle (only the last line may be torn) or an unknown
+    major format version.
+    """
+    path = Path(run_dir) / MANIFEST
+    if not path.exists():
+        return Manifest(None, [], [], 0)
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1  # everything after the last newline is a torn, uncommitted line
+    header, shards, completions = None, [], []
+    kind = None
+    for i, line in enumerate(data[:end].splitlines()):
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            raise CaptureError(f"{path}: line {i + 1} is not valid JSON; the manifest is damaged") from None
+        kind = entry.get("kind")
+        if kind == "header":
+            check_version(entry["format_version"])
+            header = entry
+        elif kind == "shard":
+            shards.append(entry)
+        elif kind == "complete":
+            completions.append(entry)
+    return Manifest(header, shards, completions, end, kind)
+
+
+def identity_diff(old: dict, new: dict) -> list[str]:
+    """Fields of RUN_IDENTITY on which two run headers disagree."""
+    return [k for k in RUN_IDENTITY if old.get(k) != new.get(k)]
+
+
+class ManifestWriter:
+    """Appends commits to a run's manifest. Open with :meth:`open`; only the driver holds one."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    @classmethod
+    def open(cls, run_dir: str | os.PathLike, header: dict) -> tuple["ManifestWriter", Manifest]:
+        """Create the run folder and manifest, or reopen an existing run with the same identity.
+
+        Raises CaptureError when the existing run was made with a different target, taps, codec,
+        template or tokenizer (the message lists the fields and both values).
+        """
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        manifest = read(run_dir)
+        writer = cls(run_dir / MANIFEST)
+        if manifest.header is not None:
+            diff = identity_diff(manifest.header, header)
+            if diff:
+                detail = "; ".join(f"{k}: {_short(manifest.header.get(k))} → {_short(header.get(k))}" for k in diff)
+                raise CaptureError(
+                    f"{run_dir} holds a run with a different {', '.join(diff)} ({detail}); use another --out"
+                )
+        with open(writer.path, "ab") as f:
+            f.truncate(manifest.committed_bytes)
+        if manifest.header is None:
+            writer._append({"kind": "header", **header})
+        return writer, manifest
+
+    def commit(self, info: ShardInfo) -> None:
+        """The commit point of a shard: one fsynced manifest line."""
+        self._append({"kind": "shard", **dataclasses.asdict(info)})
+
+    def complete(self, record: dict) -> None:
+        self._append({"kind": "complete", **record})
+
+    def _append(self, entry: dict) -> None:
+        with open(self.path, "ab") as f:
+            f.write(json.dumps(entry, sort_keys=True).encode() + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _short(value) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def garbage(run_dir: str | os.PathLike, manifest: Manifest | None = None) -> list[Path]:
+    """Shard files in ``run_dir`` that no manifest line names: temporary files of an interrupted write
+    and shards closed but never committed. They are not part of the run; ``capture shards gc`` removes them."""
+    from shards.writer import TMP_PREFIX
+
+    run_dir = Path(run_dir)
+    manifest = manifest or read(run_dir)
+    named = {s["path"] for s in manifest.shards}
+    return sorted(p for p in run_dir.iterdir()
+                  if p.name not in named and (p.name.startswith(TMP_PREFIX) or p.suffix == ".arrow"))

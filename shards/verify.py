@@ -1,0 +1,106 @@
+"""``capture shards verify``: recheck every committed shard against the manifest.
+
+Per shard: the file exists, its size and SHA-256 equal the manifest line, its schema header has the
+run's identity, its rows, sample ids, tokens and supervised tokens equal the manifest's, and every row is
+self-consistent (``num_tokens`` = len(input_ids) = len(loss_mask) = len(argmax), ``num_loss_tokens`` =
+sum(loss_mask), each state cell holds T × H × 2 bytes, ``token_sha256`` recomputes). Across shards: no
+sample id twice. Files in the folder that no manifest line names are reported as garbage, not errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from capture.hashing import sha256_file, token_sha256
+from shards import manifest as manifest_mod
+from shards.format import STATE_TYPE, FormatError, read_header
+from shards.manifest import identity_diff
+from shards.reader import read_table
+
+
+@dataclasses.dataclass
+class Report:
+    shards: int = 0
+    rows: int = 0
+    tokens: int = 0
+    problems: list[str] = dataclasses.field(default_factory=list)
+    garbage: list[str] = dataclasses.field(default_factory=list)
+    complete: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify(run_dir: str | os.PathLike) -> Report:
+    """Check the run in ``run_dir``; problems are listed, never raised (a missing manifest is one)."""
+    run_dir = Path(run_dir)
+    report = Report()
+    m = manifest_mod.read(run_dir)
+    if m.header is None:
+        report.problems.append(f"{run_dir}: no manifest with a header ({manifest_mod.MANIFEST})")
+        return report
+    report.complete = m.complete
+    seen: set[str] = set()
+    for entry in m.shards:
+        report.shards += 1
+        problems = _verify_shard(run_dir, entry, m.header)
+        report.problems += [f"{entry['path']}: {p}" for p in problems]
+        dups = seen.intersection(entry["sample_ids"])
+        if dups:
+            report.problems.append(f"{entry['path']}: {len(dups)} sample id(s) already committed, e.g. {min(dups)}")
+        seen.update(entry["sample_ids"])
+        report.rows += entry["rows"]
+        report.tokens += entry["tokens"]
+    report.garbage = [p.name for p in manifest_mod.garbage(run_dir, m)]
+    return report
+
+
+def _verify_shard(run_dir: Path, entry: dict, header: dict) -> list[str]:
+    path = run_dir / entry["path"]
+    if not path.is_file():
+        return ["missing"]
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        return [f"size {size} != manifest {entry['bytes']}"]
+    digest = sha256_file(path)
+    if digest != entry["sha256"]:
+        return [f"sha256 {digest[:16]}… != manifest {entry['sha256'][:16]}…"]
+    try:
+        table = read_table(path)
+        diff = identity_diff(header, read_header(table.schema))
+    except (pa.ArrowInvalid, FormatError) as e:
+        return [f"unreadable: {e}"]
+    problems = [f"schema header differs from the manifest in {', '.join(diff)}"] if diff else []
+    if table.num_rows != entry["rows"]:
+        problems.append(f"{table.num_rows} rows != manifest {entry['rows']}")
+    ids = table.column("sample_id").to_pylist()
+    if tuple(ids) != tuple(entry["sample_ids"]):
+        problems.append("sample ids differ from the manifest")
+    n = table.column("num_tokens").to_numpy()
+    for column in ("input_ids", "loss_mask") + (("argmax",) if "argmax" in table.column_names else ()):
+        lengths = pc.list_value_length(table.column(column)).to_numpy()
+        if not np.array_equal(lengths, n):
+            problems.append(f"{column} lengths differ from num_tokens in {int((lengths != n).sum())} row(s)")
+    mask_sums = np.array([int(np.sum(v.values.to_numpy(zero_copy_only=False))) for v in table.column("loss_mask")])
+    if not np.array_equal(mask_sums, table.column("num_loss_tokens").to_numpy()):
+        problems.append("num_loss_tokens differs from sum(loss_mask)")
+    if int(n.sum()) != entry["tokens"] or int(mask_sums.sum()) != entry["loss_tokens"]:
+        problems.append(f"tokens {int(n.sum())}/{int(mask_sums.sum())} != manifest {entry['tokens']}/{entry['loss_tokens']}")
+    expected = n.astype(np.int64) * header["hidden_size"] * 2
+    for field in table.schema:
+        if field.type == STATE_TYPE:
+            sizes = pc.binary_length(table.column(field.name)).to_numpy()
+            if not np.array_equal(sizes, expected):
+                problems.append(f"{field.name}: {int((sizes != expected).sum())} row(s) with the wrong byte size")
+    hashes = [token_sha256(v.values.to_numpy()) for v in table.column("input_ids")]
+    bad = [i for i, (a, b) in enumerate(zip(hashes, table.column("token_sha256").to_pylist())) if a != b]
+    if bad:
+        problems.append(f"token_sha256 mismatch in {len(bad)} row(s), e.g. {ids[bad[0]]}")
+    return problems

@@ -1,0 +1,193 @@
+"""Write shards atomically: temporary name → fsync → rename → (the caller appends the manifest line).
+
+A :class:`ShardWriter` belongs to one engine replica. Each shard goes to ``.tmp-<name>`` while it grows;
+once it reaches the target size (or on :meth:`ShardWriter.close`) the Arrow stream is finished, the
+file fsynced and renamed to a name no other writer can pick (``shard-<utc time>-<random>.arrow``), and
+the directory fsynced. The SHA-256 is computed from the bytes as they are written. The shard is still
+uncommitted: it becomes part of the run only when the driver appends its :class:`ShardInfo` to the
+manifest (:mod:`shards.manifest`); a file no manifest line names is garbage (``capture shards gc``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from shards.format import STATE_TYPE
+
+TMP_PREFIX = ".tmp-"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardInfo:
+    """What the manifest records of one shard (``path`` is relative to the run folder)."""
+
+    path: str
+    rows: int
+    tokens: int
+    loss_tokens: int
+    bytes: int
+    sha256: str
+    sample_ids: tuple[str, ...]
+    token_sha256: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One conversation ready to store. Arrays: ``input_ids`` int32 ``[T]``, ``loss_mask`` bool ``[T]``,
+    ``argmax`` int32 ``[T]`` or None, ``states`` column → ``[T, H]`` tensor (bf16 or fp16)."""
+
+    sample_id: str
+    source: str
+    row_index: int
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    argmax: np.ndarray | None
+    states: dict[str, torch.Tensor]
+    token_sha256: str
+
+
+def _list_array(arrays: Sequence[np.ndarray], value_type: pa.DataType) -> pa.Array:
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum([len(a) for a in arrays], out=offsets[1:])
+    values = pa.array(np.concatenate(arrays) if arrays else np.zeros(0), type=value_type)
+    return pa.ListArray.from_arrays(pa.array(offsets), values)
+
+
+def _state_array(tensors: Sequence[torch.Tensor]) -> pa.Array:
+    """``large_binary`` array whose value i is the raw row-major bytes of ``tensors[i]`` (one copy)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors]).view(torch.int16).numpy()
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    offsets = np.zeros(len(tensors) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    return pa.Array.from_buffers(STATE_TYPE, len(tensors), [None, pa.py_buffer(offsets), pa.py_buffer(flat)])
+
+
+def record_batch(schema: pa.Schema, rows: Sequence[Row]) -> pa.RecordBatch:
+    """Rows → one Arrow record batch with ``schema``'s columns."""
+    cols: dict[str, pa.Array] = {
+        "sample_id": pa.array([r.sample_id for r in rows], pa.string()),
+        "source": pa.array([r.source for r in rows], pa.string()),
+        "row_index": pa.array([r.row_index for r in rows], pa.int64()),
+        "input_ids": _list_array([r.input_ids for r in rows], pa.int32()),
+        "loss_mask": _list_array([r.loss_mask for r in rows], pa.bool_()),
+        "num_tokens": pa.array([len(r.input_ids) for r in rows], pa.int32()),
+        "num_loss_tokens": pa.array([int(r.loss_mask.sum()) for r in rows], pa.int32()),
+        "token_sha256": pa.array([r.token_sha256 for r in rows], pa.string()),
+    }
+    if "argmax" in schema.names:
+        cols["argmax"] = _list_array([r.argmax for r in rows], pa.int32())
+    for name in schema.names:
+        if schema.field(name).type == STATE_TYPE:
+            cols[name] = _state_array([r.states[name] for r in rows])
+    return pa.RecordBatch.from_arrays([cols[n] for n in schema.names], schema=schema)
+
+
+class _HashingFile:
+    """File-like sink that hashes and counts what pyarrow writes through it."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "xb")  # never overwrite: names are unique
+        self.sha = hashlib.sha256()
+        self.size = 0
+        self.closed = False
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.size += len(memoryview(data))
+        return self.file.write(data)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ShardWriter:
+    """Appends rows to size-bounded shards in ``out_dir``. Not thread-safe; one per replica.
+
+    ``target_bytes``: a shard is closed once its compressed size reaches this many bytes.
+    ``zstd_level``: compression level of the Arrow IPC buffers.
+    Raises OSError (e.g. ENOSPC) from the file system; the temporary file is removed first.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, schema: pa.Schema, target_bytes: int, zstd_level: int = 3):
+        self.out_dir = Path(out_dir)
+        self.schema = schema
+        self.target_bytes = target_bytes
+        self.options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", compression_level=zstd_level))
+        self._open: tuple[str, _HashingFile, pa.ipc.RecordBatchStreamWriter] | None = None
+        self._rows: list[tuple[str, str, int, int]] = []  # sample_id, token_sha256, tokens, loss tokens
+
+    def write(self, rows: Sequence[Row]) -> list[ShardInfo]:
+        """Append ``rows`` as one record batch; returns the shards this call closed (maybe none)."""
+        if not rows:
+            return []
+        try:
+            if self._open is None:
+                name = f"shard-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:12]}.arrow"
+                sink = _HashingFile(self.out_dir / (TMP_PREFIX + name))
+                self._open = (name, sink, pa.ipc.new_stream(sink, self.schema, options=self.options))
+            self._open[2].write_batch(record_batch(self.schema, rows))
+        except BaseException:
+            self.abort()
+            raise
+        self._rows += [(r.sample_id, r.token_sha256, len(r.input_ids), int(r.loss_mask.sum())) for r in rows]
+        return self.close() if self._open[1].size >= self.target_bytes else []
+
+    def close(self) -> list[ShardInfo]:
+        """Finish the open shard (if any): end the stream, fsync, rename. Returns its info."""
+        if self._open is None:
+            return []
+        name, sink, stream = self._open
+        try:
+            stream.close()
+            sink.file.flush()
+            os.fsync(sink.file.fileno())
+            sink.file.close()
+            os.rename(self.out_dir / (TMP_PREFIX + name), self.out_dir / name)
+            fsync_dir(self.out_dir)
+        except BaseException:
+            self.abort()
+            raise
+        info = ShardInfo(
+            path=name,
+            rows=len(self._rows),
+            tokens=sum(r[2] for r in self._rows),
+            loss_tokens=sum(r[3] for r in self._rows),
+            bytes=sink.size,
+            sha256=sink.sha.hexdigest(),
+            sample_ids=tuple(r[0] for r in self._rows),
+            token_sha256=tuple(r[1] for r in self._rows),
+        )
+        self._open, self._rows = None, []
+        return [info]
+
+    def abort(self) -> None:
+        """Drop the open shard and its temporary file (nothing of it was committed)."""
+        if self._open is not None:
+            name, sink, _ = self._open
+            sink.file.close()
+            (self.out_dir / (TMP_PREFIX + name)).unlink(missing_ok=True)
+        self._open, self._rows = None, []
