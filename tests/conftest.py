@@ -1,0 +1,45 @@
+"""Shared fixtures: the real embedded model (SmolLM2-135M-Instruct, converted once) and real data."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_SAMPLE = REPO.parent / "shared" / "data" / "open-perfectblend-sample.jsonl"
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> Path:
+    """bf16 safetensors folder of SmolLM2-135M-Instruct, converted from the wheel's GGUF once."""
+    from capture.targets import PRESETS, model_dir
+
+    return model_dir(PRESETS["smollm2-135m"])
+
+
+@pytest.fixture(scope="session")
+def encoder(smol_dir):
+    from capture.chat import load_encoder
+
+    return load_encoder(str(smol_dir))
+
+
+@pytest.fixture(scope="session")
+def sample_jsonl() -> Path:
+    if not SHARED_SAMPLE.is_file():
+        pytest.skip(f"the shared Open-PerfectBlend sample is not beside the repo ({SHARED_SAMPLE})")
+    return SHARED_SAMPLE
+
+
+def capture_cli(*args: str, check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the real `capture` console script in a fresh process (Ray and torch as a user gets them)."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TQDM_DISABLE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"capture {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return proc

@@ -1,0 +1,82 @@
+"""HF engine states against a reference forward of the real SmolLM2 model."""
+
+import numpy as np
+import pytest
+import torch
+
+from capture.engines.hf import HFEngine
+from capture.targets import PRESETS, make_taps
+
+SMOL = PRESETS["smollm2-135m"]
+
+
+@pytest.fixture(scope="module")
+def records(encoder):
+    """Three real ShareGPT conversations, cut to 300 tokens to keep the test quick."""
+    import itertools
+
+    from capture.data import ReadStats, iter_conversations, resolve_dataset
+
+    convs = itertools.islice(iter_conversations(resolve_dataset("sharegpt"), ReadStats()), 3)
+    return [encoder.encode(c).input_ids[:n] for c, n in zip(convs, (300, 120, 211))]
+
+
+@pytest.fixture(scope="module")
+def engine(smol_dir):
+    return HFEngine(str(smol_dir), make_taps(SMOL, (0, 3, 15, 29), "post-norm"))
+
+
+@pytest.fixture(scope="module")
+def reference(engine, records):
+    """Plain HF forward of each record alone: all hidden states and logits."""
+    out = []
+    with torch.inference_mode():
+        for ids in records:
+            r = engine.model(torch.from_numpy(ids.astype(np.int64))[None], output_hidden_states=True)
+            out.append((r.hidden_states, r.logits[0]))
+    return out
+
+
+def test_single_sequence_is_bit_exact(engine, records, reference):
+    for ids, (hs, logits) in zip(records, reference):
+        got = engine.forward([ids])[0]
+        for k in (0, 3, 15):
+            assert torch.equal(got.states[f"tap_{k}"], hs[k + 1][0])  # tap k = HF hidden_states[k + 1]
+        assert torch.equal(got.states["final"], hs[30][0])  # post-norm = HF's last entry
+        np.testing.assert_array_equal(got.argmax, logits.argmax(-1).numpy())
+
+
+def test_last_layer_tap_is_raw_output_not_hf_last_entry(engine, records, reference):
+    """Tap L-1 comes from a hook: norm(tap_29) is HF's hidden_states[30]; tap_29 itself is not."""
+    got = engine.forward([records[0]])[0]
+    hs = reference[0][0]
+    assert not torch.equal(got.states["tap_29"], hs[30][0])
+    with torch.inference_mode():
+        assert torch.equal(engine.decoder.norm(got.states["tap_29"][None])[0], hs[30][0])
+
+
+def test_padded_batch_within_bf16_tolerance(engine, records, reference):
+    """Right padding never lets a real token see a pad; batch shapes change bf16 kernels slightly."""
+    batch = engine.forward(records)
+    cos = torch.nn.functional.cosine_similarity
+    for got, ids, (hs, logits) in zip(batch, records, reference):
+        assert all(t.shape == (len(ids), 576) and t.dtype == torch.bfloat16 for t in got.states.values())
+        for k in (0, 3, 15):
+            c = cos(got.states[f"tap_{k}"].float(), hs[k + 1][0].float(), dim=-1)
+            assert c.min() >= 0.999, (k, c.min())
+        assert (got.argmax == logits.argmax(-1).numpy()).mean() >= 0.98
+
+
+def test_pre_norm_final_and_early_stop(smol_dir, records, reference):
+    """Without argmax or post-norm the forward stops after the last tapped layer; states unchanged."""
+    eng = HFEngine(str(smol_dir), make_taps(SMOL, (3, 15), "pre-norm"), argmax=False)
+    assert eng._stop_after == 29
+    got = eng.forward([records[1]])[0]
+    assert got.argmax is None
+    hs = reference[1][0]
+    assert torch.equal(got.states["tap_15"], hs[16][0])
+    with torch.inference_mode():
+        assert torch.equal(eng.decoder.norm(got.states["final"][None])[0], hs[30][0])
+    early = HFEngine(str(smol_dir), make_taps(SMOL, (3, 15), "none"), argmax=False)
+    assert early._stop_after == 15
+    assert torch.equal(early.forward([records[1]])[0].states["tap_15"], hs[16][0])

@@ -1,0 +1,110 @@
+"""`capture run` end to end, as a user runs it: real SmolLM2, real ShareGPT rows, local Ray."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, capture_cli
+from shards import manifest
+from shards.reader import iter_rows
+
+SMALL = ["--max-tokens", "256", "--overlength", "truncate", "--no-progress"]
+
+
+def summary_of(proc) -> dict:
+    return json.loads(proc.stdout)
+
+
+def committed(run_dir) -> list[str]:
+    return [s for shard in manifest.read(run_dir).shards for s in shard["sample_ids"]]
+
+
+def test_run_matches_reference_resumes_and_extends(tmp_path, smol_dir):
+    out = tmp_path / "run"
+    args = ["run", "--out", str(out), "--dataset", "sharegpt", "--layers", "3,15,29", "--final", "post-norm",
+            "--limit", "10", "--shard-size", "128KiB", "--batch-tokens", "1", "--json", *SMALL]
+    s = summary_of(capture_cli(*args, check=True))
+    assert s["rows_read"] == 10
+    assert s["kept"] + sum(s["skipped"].values()) == 10
+    assert s["committed_rows"] == s["kept"] == s["total_rows"] > 0
+    assert capture_cli("shards", "verify", str(out)).returncode == 0
+    m = manifest.read(out)
+    assert m.complete and m.header["columns"] == ["tap_3", "tap_15", "tap_29", "final"]
+
+    # Every tap, the final state and argmax against a plain HF forward of the stored ids.
+    # --batch-tokens 1 gives every record a forward of its own, so states are bit-exact.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.bfloat16).eval()
+    rows = list(iter_rows(out))
+    assert len(rows) == s["committed_rows"]
+    for row in rows[:4]:
+        ids = torch.from_numpy(row["input_ids"].astype(np.int64))[None]
+        with torch.inference_mode():
+            ref = model(ids, output_hidden_states=True)
+        for k in (3, 15):
+            assert torch.equal(row[f"tap_{k}"], ref.hidden_states[k + 1][0])
+        assert torch.equal(model.model.norm(row["tap_29"][None])[0], ref.hidden_states[30][0])
+        assert torch.equal(row["final"], ref.hidden_states[30][0])
+        np.testing.assert_array_equal(row["argmax"], ref.logits[0].argmax(-1).numpy())
+        assert row["num_tokens"] == len(row["input_ids"]) <= 256
+
+    # Rerun: nothing redone, committed shards untouched.
+    before = [(sh["path"], sh["sha256"]) for sh in m.shards]
+    again = summary_of(capture_cli(*args, check=True))
+    assert again["committed_rows"] == 0 and again["already_committed"] == s["committed_rows"]
+    assert [(sh["path"], sh["sha256"]) for sh in manifest.read(out).shards] == before
+
+    # A larger --limit extends the finished run with new rows only.
+    more = summary_of(capture_cli(*[a if a != "10" else "14" for a in args], check=True))
+    assert more["rows_read"] == 14 and more["already_committed"] == s["committed_rows"]
+    ids = committed(out)
+    assert len(ids) == len(set(ids)) == s["committed_rows"] + more["committed_rows"]
+    assert {f"sharegpt:{i}" for i in range(14)} >= set(ids)
+    assert capture_cli("shards", "verify", str(out)).returncode == 0
+
+    # Another target, taps or template against this run folder is refused, with the differing fields.
+    other = capture_cli("run", "--out", str(out), "--layers", "3,15", "--limit", "2", *SMALL)
+    assert other.returncode == 2
+    assert "different taps" in other.stderr and "Traceback" not in other.stderr
+
+
+def test_sigkill_mid_run_then_rerun_is_exactly_once(tmp_path):
+    out = tmp_path / "run"
+    args = ["run", "--out", str(out), "--limit", "40", "--shard-size", "32KiB", "--unit-tokens", "512", *SMALL]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=REPO, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(manifest.read(out).shards if out.exists() else []) < 2:
+        assert proc.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver and every Ray process it started
+    proc.wait()
+    killed = manifest.read(out)
+    assert not killed.complete and len(killed.shards) >= 2
+    before = {sh["path"]: sh["sha256"] for sh in killed.shards}
+
+    s = summary_of(capture_cli(*args, "--json", check=True))
+    assert s["rows_read"] == 40
+    ids = committed(out)
+    assert len(ids) == len(set(ids)), "a sample was committed twice"
+    # Exactly the records a fresh plan keeps: nothing lost, nothing extra.
+    plan = summary_of(capture_cli("run", "--out", str(tmp_path / "fresh"), "--limit", "40", "--dry-run", "--json", *SMALL,
+                                  check=True))
+    assert len(ids) == plan["kept"] and s["already_committed"] == sum(sh["rows"] for sh in killed.shards)
+    after = {sh["path"]: sh["sha256"] for sh in manifest.read(out).shards}
+    assert all(after[p] == sha for p, sha in before.items())
+    from capture.hashing import sha256_file
+
+    assert all(sha256_file(out / p) == sha for p, sha in before.items())
+    assert manifest.read(out).complete
+    assert capture_cli("shards", "verify", str(out)).returncode == 0
+    assert not (tmp_path / "fresh").exists()  # a dry run writes nothing
