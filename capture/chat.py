@@ -3,10 +3,11 @@
 The loss mask marks exactly the tokens the assistant produced: each assistant turn's content plus its
 end-of-turn token. It is found without regex over decoded text and without ``{% generation %}`` tags:
 for each assistant turn i the template renders the prefix ``messages[:i]`` with the generation prompt and
-the prefix ``messages[:i+1]``; both token sequences must be prefixes of the whole conversation's tokens
-(the token-prefix property), and the supervised span is what lies between them, up to and including the
-last end-of-turn token (tokens the template adds after it, e.g. ChatML's ``\\n``, are boilerplate the
-model never produces). A template that breaks the property, or renders an assistant turn without an
+the prefix ``messages[:i+1]``; both must be text prefixes of the whole rendering, and both must end on a
+token boundary of the whole conversation's tokenization (the fast tokenizer's offset mapping), which
+makes them token prefixes of it. The conversation is tokenized once; the supervised span is the tokens
+between the two boundaries, up to and including the last end-of-turn token (tokens the template adds after it, e.g. ChatML's ``\\n``, are boilerplate the
+model never produces). A template that breaks either property, or renders an assistant turn without an
 end-of-turn token, raises :class:`CaptureError` naming the row: nothing is silently mis-masked.
 """
 
@@ -73,17 +74,16 @@ class ChatEncoder:
         added = [t.content for t in getattr(tok, "added_tokens_decoder", {}).values() if t.special]
         return tuple(sorted(set(tok.all_special_tokens) | set(added), key=len, reverse=True))
 
-    def _render(self, messages: Sequence[dict], generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
+    def _render(self, messages: Sequence[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=generation_prompt, chat_template=self.template
         )
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def encode(self, conv: Conversation, specials: tuple[str, ...] = ()) -> Tokenized | str:
         """Tokenize ``conv``. Returns :class:`Tokenized`, or a skip reason string (``special_token_text``).
 
-        Raises CaptureError where the template breaks the token-prefix property or renders an assistant
-        turn with no end-of-turn token.
+        Raises CaptureError where a rendered prefix is not a prefix of the whole rendering, where a turn
+        boundary falls inside a token, or where an assistant turn has no end-of-turn token.
         """
         if self.special_text == "drop" and specials:
             if any(s in content for _, content in conv.messages for s in specials):
@@ -91,13 +91,18 @@ class ChatEncoder:
         messages = [{"role": r, "content": c} for r, c in conv.messages]
         if self.system_prompt is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.system_prompt})
-        ids = self._render(messages, generation_prompt=False)
+        text = self._render(messages, generation_prompt=False)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = enc["input_ids"]
+        # token index that starts at each character offset (the end of the text counts as a boundary)
+        boundary = {start: j for j, (start, _) in reversed(list(enumerate(enc["offset_mapping"])))}
+        boundary[len(text)] = len(ids)
         mask = np.zeros(len(ids), dtype=bool)
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            start = self._prefix_len(ids, self._render(messages[:i], generation_prompt=True), conv, i)
-            stop = self._prefix_len(ids, self._render(messages[: i + 1], generation_prompt=False), conv, i)
+            start = self._boundary(text, boundary, self._render(messages[:i], generation_prompt=True), conv, i)
+            stop = self._boundary(text, boundary, self._render(messages[: i + 1], generation_prompt=False), conv, i)
             ends = [j for j in range(start, stop) if ids[j] in self.end_ids]
             if not ends:
                 raise CaptureError(
@@ -108,14 +113,20 @@ class ChatEncoder:
         return Tokenized(conv.sample_id, conv.row_index, conv.source, np.asarray(ids, dtype=np.int32), mask)
 
     @staticmethod
-    def _prefix_len(full: list[int], prefix: list[int], conv: Conversation, turn: int) -> int:
-        if full[: len(prefix)] != prefix:
-            at = next((j for j, (a, b) in enumerate(zip(full, prefix)) if a != b), min(len(full), len(prefix)))
+    def _boundary(text: str, boundary: dict[int, int], prefix: str, conv: Conversation, turn: int) -> int:
+        """Number of tokens of ``text`` that make up ``prefix``; raises unless it ends on a token boundary."""
+        if not text.startswith(prefix):
+            at = next((j for j, (a, b) in enumerate(zip(text, prefix)) if a != b), min(len(text), len(prefix)))
             raise CaptureError(
-                f"{conv.sample_id}: chat template breaks the token-prefix property at turn {turn} "
-                f"(token {at}): rendering turn by turn does not give a prefix of the whole conversation"
+                f"{conv.sample_id}: chat template breaks the prefix property at turn {turn} (character {at}): "
+                "rendering the conversation up to this turn does not give a prefix of the whole rendering"
             )
-        return len(prefix)
+        if len(prefix) not in boundary:
+            raise CaptureError(
+                f"{conv.sample_id}: turn {turn} ends inside a token (character {len(prefix)}): the tokenizer "
+                "merges across the template's turn boundary, so the loss mask would be ambiguous"
+            )
+        return boundary[len(prefix)]
 
 
 def load_encoder(

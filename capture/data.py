@@ -24,10 +24,10 @@ Conventions and where they come from:
 from __future__ import annotations
 
 import collections
-import hashlib
 import importlib.metadata
 import importlib.util
 import itertools
+import json
 import logging
 import re
 from collections.abc import Collection, Iterator, Mapping
@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from capture.errors import CaptureError
+from capture.hashing import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,6 @@ _ROLES: dict[str, Role] = {
 }
 # `owner/name`, optionally `@revision` (Hugging Face Hub repo id rules: letters, digits, `-`, `_`, `.`)
 _HUB_ID = re.compile(r"^(?P<id>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[\w./-]+))?$")
-_HASH_CHUNK = 1 << 20  # 1 MiB
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def resolve_dataset(spec: str, split: str = "train") -> DatasetRef:
                 f"unsupported dataset file type {path.suffix or '(none)'!r}: {spec} "
                 f"(expected one of {', '.join(_BUILDERS)})"
             )
-        return DatasetRef(name=path.name, kind="local", path=str(path.resolve()), revision=_sha256(path), split=split)
+        return DatasetRef(name=path.name, kind="local", path=str(path.resolve()), revision=sha256_file(path), split=split)
     match = _HUB_ID.match(spec)
     if match is None:
         raise CaptureError(
@@ -172,7 +172,8 @@ def iter_conversations(
 
     The ``sharegpt`` alias is read with ``ijson``; its file is cut off mid-record, so at the parse error
     ``stats.truncated`` is set, a warning is logged and iteration ends normally. Other datasets are read
-    with ``datasets.load_dataset(..., streaming=True)``. Raises :class:`CaptureError` on bad arguments, or
+    with ``json`` line by line (.jsonl), ijson (.json) or ``datasets.load_dataset(..., streaming=True)``
+    (Parquet, Arrow, hub ids). Raises :class:`CaptureError` on bad arguments, or
     if a dataset cannot be loaded or a row cannot be read (message names the dataset).
     """
     if alternation not in ("normalize", "skip"):
@@ -216,8 +217,12 @@ def iter_conversations(
 
 def _iter_rows(ref: DatasetRef, stats: ReadStats) -> Iterator[Any]:
     """Raw rows of the dataset, in order. Stops early when the caller stops pulling."""
-    if ref.kind == "sharegpt-package":
+    suffix = Path(ref.path).suffix.lower()
+    if ref.kind == "sharegpt-package" or (ref.kind == "local" and suffix == ".json"):
         yield from _iter_json_array(ref, stats)
+        return
+    if ref.kind == "local" and suffix == ".jsonl":
+        yield from _iter_json_lines(ref)
         return
     import datasets  # heavy import, only when needed
 
@@ -248,12 +253,40 @@ def _iter_rows(ref: DatasetRef, stats: ReadStats) -> Iterator[Any]:
         yield row
 
 
+def _open(ref: DatasetRef):
+    try:
+        return open(ref.path, "rb")
+    except OSError as e:
+        raise CaptureError(f"could not load dataset {ref.name} ({ref.path}): {e.strerror}") from None
+
+
+class _InvalidLine:
+    """Stands in for a JSONL line that is not valid JSON (skipped as ``invalid_json``)."""
+
+
+def _iter_json_lines(ref: DatasetRef) -> Iterator[Any]:
+    """Rows of a JSON Lines file, each parsed exactly as written with the standard ``json`` module.
+
+    Not through ``datasets``: its JSON loader infers one Arrow type per field across rows and silently
+    turns a string answer "7" into the integer 7 when another row holds a number there. Blank lines are
+    not rows; a line that is not valid JSON (or not UTF-8) yields an :class:`_InvalidLine`.
+    """
+    with _open(ref) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except ValueError:  # JSONDecodeError and UnicodeDecodeError
+                yield _InvalidLine()
+
+
 def _iter_json_array(ref: DatasetRef, stats: ReadStats) -> Iterator[Any]:
     """Items of a top-level JSON array, parsed incrementally with ijson; stops cleanly at a parse error."""
     import ijson
 
     count = 0
-    with open(ref.path, "rb") as f:
+    with _open(ref) as f:
         items = ijson.items(f, "item")
         while True:
             try:
@@ -337,6 +370,8 @@ def _normalize(row: Any, alternation: Alternation) -> tuple[tuple[tuple[Role, st
 
 def _column(row: Any) -> list | str:
     """The row's list of turns, or a skip reason."""
+    if isinstance(row, _InvalidLine):
+        return "invalid_json"
     if not isinstance(row, dict):
         return "no_conversation_column"
     for column in ("conversations", "messages"):
@@ -381,13 +416,6 @@ def _resolve_sharegpt(split: str) -> DatasetRef:
         split=split,
     )
 
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _one_line(e: BaseException) -> str:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from capture.chat import ChatEncoder, Tokenized, load_encoder, tokenizer_sha256
 from capture.config import RunConfig
-from capture.data import ReadStats, iter_conversations, resolve_dataset
+from capture.data import DatasetRef, ReadStats, iter_conversations, resolve_dataset
 from capture.errors import CaptureError
 from capture.targets import Taps, Target, make_taps, model_dir, resolve_target
 from filters import apply_filters
@@ -73,14 +73,17 @@ class Prepared:
     encoder: ChatEncoder
     header: dict
     context_len: int | None
+    dataset: DatasetRef
 
 
 def prepare(cfg: RunConfig) -> Prepared:
-    """Resolve target, taps, model folder, tokenizer and run header (no engine loaded)."""
+    """Resolve target, taps, dataset, model folder, tokenizer and run header (no engine loaded): every
+    user error is raised here, before anything is written."""
     if cfg.engine != "hf":
         raise CaptureError(f"--engine {cfg.engine}: only the hf engine is available in this version")
     target = resolve_target(cfg.target)
     taps = make_taps(target, cfg.layers, cfg.final)
+    dataset = resolve_dataset(cfg.dataset, cfg.split)
     mdir = model_dir(target)
     encoder = load_encoder(str(mdir), chat_template_file=cfg.chat_template, system_prompt=cfg.system_prompt,
                            special_text=cfg.special_text)
@@ -98,16 +101,15 @@ def prepare(cfg: RunConfig) -> Prepared:
         chat_template_sha256=encoder.template_sha256,
         tokenizer_sha256=tokenizer_sha256(encoder.tokenizer),
     )
-    return Prepared(target, taps, str(mdir), encoder, header, model_cfg.get("max_position_embeddings"))
+    return Prepared(target, taps, str(mdir), encoder, header, model_cfg.get("max_position_embeddings"), dataset)
 
 
 def _records(cfg: RunConfig, prep: Prepared, summary: Summary, done: set[str], seen: set[str]):
     """Stream kept records in dataset order; every other row is counted in ``summary.skipped``."""
     stats = ReadStats()
-    ref = resolve_dataset(cfg.dataset, cfg.split)
     skipped: collections.Counter = collections.Counter()
     specials = prep.encoder.special_strings()
-    convs = iter_conversations(ref, stats, limit=cfg.limit, sources=cfg.sources,
+    convs = iter_conversations(prep.dataset, stats, limit=cfg.limit, sources=cfg.sources,
                                exclude_sources=cfg.exclude_sources, source_caps=dict(cfg.source_caps) or None,
                                alternation=cfg.alternation)
     try:
@@ -275,6 +277,8 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
         )
     writer.complete({
         "end_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "dataset": dataclasses.asdict(prep.dataset),
+        "limit": cfg.limit,
         "rows_read": summary.rows_read,
         "committed_rows": summary.committed_rows,
         "already_committed": summary.already_committed,

@@ -16,7 +16,7 @@ import pyarrow as pa
 import torch
 
 from shards import manifest as manifest_mod
-from shards.format import read_header
+from shards.format import FormatError, read_header
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,6 +30,9 @@ def read_table(path: str | os.PathLike, columns: list[str] | None = None) -> pa.
         if columns is None:
             source.seek(0)
             return pa.ipc.open_stream(source).read_all()
+        missing = [c for c in columns if c not in schema.names]
+        if not columns or missing:
+            raise FormatError(f"{path}: no column(s) {missing or columns} (it has {', '.join(schema.names)})")
         options = pa.ipc.IpcReadOptions(included_fields=[schema.get_field_index(c) for c in columns])
         source.seek(0)
         return pa.ipc.open_stream(source, options=options).read_all()

@@ -186,8 +186,13 @@ class ShardWriter:
 
     def abort(self) -> None:
         """Drop the open shard and its temporary file (nothing of it was committed)."""
-        if self._open is not None:
-            name, sink, _ = self._open
-            sink.file.close()
-            (self.out_dir / (TMP_PREFIX + name)).unlink(missing_ok=True)
+        if self._open is None:
+            return
+        name, sink, _ = self._open
         self._open, self._rows = None, []
+        try:
+            sink.file.close()  # flushing the buffer can raise ENOSPC again: the file goes anyway
+        except OSError:
+            pass
+        finally:
+            (self.out_dir / (TMP_PREFIX + name)).unlink(missing_ok=True)

@@ -43,3 +43,12 @@ def capture_cli(*args: str, check: bool = False, timeout: float = 600) -> subpro
     if check and proc.returncode != 0:
         raise AssertionError(f"capture {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
     return proc
+
+
+def capture_inproc(*args: str):
+    """Run the CLI in this process (click's runner): for commands that fail before any engine starts."""
+    from click.testing import CliRunner
+
+    from cli import main
+
+    return CliRunner().invoke(main, list(args))

@@ -75,7 +75,7 @@ def test_template_breaking_the_prefix_property_fails_loudly(encoder):
            "{% if add_generation_prompt %}<|im_start|>assistant\n{% else %}END{% endif %}")
     enc = ChatEncoder(encoder.tokenizer, bad, encoder.end_ids)
     conv = Conversation("t:7", 7, "t", (("user", "a"), ("assistant", "b"), ("user", "c"), ("assistant", "d")))
-    with pytest.raises(CaptureError, match="t:7.*token-prefix property"):
+    with pytest.raises(CaptureError, match="t:7.*prefix property"):
         enc.encode(conv)
 
 

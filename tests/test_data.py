@@ -385,12 +385,25 @@ def test_only_assistant_turns(tmp_path):
     assert convs == [] and stats.skipped == {"no_assistant_turn": 1}
 
 
-def test_truncated_jsonl_is_a_capture_error(tmp_path):
+def test_truncated_jsonl_last_line_is_a_counted_skip(tmp_path):
+    """JSONL is read line by line with `json`: a cut-off (or otherwise invalid) line is one counted skip."""
     path = tmp_path / "cut.jsonl"
     text = "".join(json.dumps(row) + "\n" for row in BAD_ROWS[:3])
     path.write_text(text[: len(text) - 20], encoding="utf-8")
-    with pytest.raises(CaptureError, match=r"cut\.jsonl"):
-        read(resolve_dataset(str(path)))
+    convs, stats = read(resolve_dataset(str(path)))
+    assert stats.rows_read == 3 and stats.skipped["invalid_json"] == 1
+    assert stats.rows_read == stats.yielded + sum(stats.skipped.values())
+
+
+def test_jsonl_values_keep_their_json_types(tmp_path):
+    """`datasets`' JSON loader would turn the string "7" into 7 next to a numeric row; we must not."""
+    path = tmp_path / "mixed.jsonl"
+    rows = [{"conversations": turns(("human", "Name a prime."), ("gpt", "7"))},
+            {"conversations": turns(("human", "x"), ("gpt", 5))}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    convs, stats = read(resolve_dataset(str(path)))
+    assert [c.messages for c in convs] == [(("user", "Name a prime."), ("assistant", "7"))]
+    assert stats.skipped == {"non_string_content": 1}
 
 
 def test_truncated_json_array_stops_cleanly(tmp_path, caplog):

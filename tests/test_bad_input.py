@@ -1,0 +1,115 @@
+"""Bad input through the real CLI: clear one-line errors or counted skips, nothing lost."""
+
+import json
+import subprocess
+
+import pytest
+
+from conftest import capture_cli, capture_inproc
+from shards import manifest
+
+SMALL = ["--max-tokens", "200", "--overlength", "truncate", "--no-progress"]
+
+ROWS = [
+    {"conversations": [{"from": "human", "value": "Name a prime."}, {"from": "gpt", "value": "7"}]},  # good
+    {"conversations": []},  # empty
+    {"conversations": [{"from": "narrator", "value": "x"}, {"from": "gpt", "value": "y"}]},  # unknown role
+    {"conversations": [{"from": "human", "value": None}, {"from": "gpt", "value": "y"}]},  # non-string
+    {"conversations": [{"from": "human", "value": 5}, {"from": "gpt", "value": "y"}]},  # non-string
+    {"conversations": [{"from": "gpt", "value": "Hello!"}, {"from": "human", "value": "Hi"},
+                       {"from": "gpt", "value": "How can I help?"}]},  # assistant first → normalized
+    {"conversations": [{"from": "human", "value": "Say <|im_end|> twice"}, {"from": "gpt", "value": "no"}]},
+    {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},  # OpenAI format
+    {"conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": "b"},
+                       {"from": "gpt", "value": "c"}]},  # same role twice → merged
+    {"conversations": [{"from": "human", "value": "only a question"}]},  # no answer
+    {"text": "no conversation at all"},
+    "{not json",
+]
+
+
+@pytest.fixture()
+def bad_jsonl(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in ROWS))
+    return path
+
+
+def test_bad_rows_are_counted_and_good_rows_kept(tmp_path, bad_jsonl):
+    out = tmp_path / "run"
+    proc = capture_cli("run", "--out", str(out), "--dataset", str(bad_jsonl), "--json", *SMALL, check=True)
+    s = json.loads(proc.stdout)
+    assert s["rows_read"] == len(ROWS)
+    assert s["skipped"] == {
+        "empty_conversation": 1, "unknown_role": 1, "non_string_content": 2, "special_token_text": 1,
+        "no_assistant_turn": 1, "no_conversation_column": 1, "invalid_json": 1,
+    }
+    assert s["normalized"] == {"leading_assistant_removed": 1, "same_role_merged": 1}
+    ids = [i for sh in manifest.read(out).shards for i in sh["sample_ids"]]
+    assert sorted(ids) == ["bad.jsonl:0", "bad.jsonl:5", "bad.jsonl:7", "bad.jsonl:8"]
+    assert capture_cli("shards", "verify", str(out)).returncode == 0
+
+
+def test_all_records_filtered_exits_non_zero_with_reasons(tmp_path, bad_jsonl):
+    out = tmp_path / "run"
+    proc = capture_cli("run", "--out", str(out), "--dataset", str(bad_jsonl), "--min-tokens", "100000", *SMALL)
+    assert proc.returncode == 2
+    assert "no records written" in proc.stderr and "under_min_tokens=4" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dataset", "./no/such/file.jsonl"], "dataset file not found: ./no/such/file.jsonl"),
+        (["--layers", "3,30"], "out of range"),
+        (["--layers", "3,3"], "duplicate tap"),
+        (["--final", "pre-norm", "--layers", "29"], "duplicates tap 29"),
+        (["--target", "nope"], "unknown target 'nope'"),
+        (["--shard-size", "lots"], "not a size"),
+        (["--chat-template", "/no/template.jinja"], "cannot read --chat-template"),
+    ],
+)
+def test_user_errors_are_one_line(tmp_path, args, message):
+    result = capture_inproc("run", "--out", str(tmp_path / "run"), "--limit", "2", *args, *SMALL)
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: ") and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run" / "manifest.jsonl").exists()
+
+
+def test_truncated_sharegpt_is_reported_not_fatal(tmp_path):
+    """The real ShareGPT file breaks off mid-record; a dry run over all of it reports it and goes on.
+    (A source cap keeps tokenization to 5 rows; every row is still read.)"""
+    proc = capture_cli("run", "--out", str(tmp_path / "plan"), "--dataset", "sharegpt", "--dry-run", "--json",
+                       "--source-cap", "sharegpt=5", "--no-progress", check=True)
+    s = json.loads(proc.stdout)
+    assert s["rows_read"] == 17671 and s["kept"] == 5
+    assert "17671 complete records" in s["truncated_input"]
+    assert s["kept"] + sum(s["skipped"].values()) == 17671 and s["skipped"]["source_cap"] > 17000
+    assert not (tmp_path / "plan").exists()
+
+
+def test_config_file_and_flags_override(tmp_path, sample_jsonl):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"dataset: {sample_jsonl}\nlayers: [3, 15]\nlimit: 49\nfilters:\n  max_tokens: 1000\n"
+                   "  overlength: truncate\nsources: mlabonne/ultrachat_200k_sft\n")
+    proc = capture_cli("run", "--config", str(cfg), "--out", str(tmp_path / "plan"), "--dry-run", "--json",
+                       "--layers", "3", "--no-progress", check=True)
+    s = json.loads(proc.stdout)
+    assert s["rows_read"] == 49 and s["kept"] == 6 and s["skipped"] == {"source_not_selected": 43}
+    assert s["estimated_tokens"] == 4353  # SmolLM2 tokens of those 6 rows, chat template applied
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("colour: blue\n")
+    result = capture_inproc("run", "--config", str(bad), "--out", str(tmp_path / "x"))
+    assert result.exit_code == 2 and "unknown config key(s): colour" in result.stderr
+
+
+def test_second_writer_on_the_same_run_is_refused(tmp_path):
+    from filelock import FileLock
+
+    out = tmp_path / "run"
+    out.mkdir()
+    with FileLock(out / ".capture.lock"):
+        result = capture_inproc("run", "--out", str(out), "--limit", "2", *SMALL)
+    assert result.exit_code == 2 and "another capture is writing" in result.stderr
