@@ -186,7 +186,11 @@ def run(cfg: RunConfig) -> Summary:
 
     started = time.time()
     prep = prepare(cfg)
-    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    out = Path(cfg.out)
+    if out.is_dir() and not (out / manifest_mod.MANIFEST).exists() and any(p.name != LOCK for p in out.iterdir()):
+        raise CaptureError(f"{cfg.out} is not empty and holds no capture run ({manifest_mod.MANIFEST}); "
+                           "give a new or empty folder")
+    out.mkdir(parents=True, exist_ok=True)
     lock = FileLock(Path(cfg.out) / LOCK)
     try:
         lock.acquire(timeout=0)

@@ -37,7 +37,7 @@ def sample_jsonl() -> Path:
 
 def capture_cli(*args: str, check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run the real `capture` console script in a fresh process (Ray and torch as a user gets them)."""
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TQDM_DISABLE": "1"}
+    env = {**os.environ, "TQDM_DISABLE": "1"}
     proc = subprocess.run([sys.executable, "-m", "cli", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
     if check and proc.returncode != 0:

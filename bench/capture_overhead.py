@@ -1,0 +1,105 @@
+"""Capture throughput against the same engine's plain forward, and bytes per token.
+
+Same tokens, same batches, same model: real ShareGPT conversations through SmolLM2's chat template.
+  plain   : HF forward through every layer and the LM head (what computing argmax needs), nothing kept
+  capture : Replica.process — hooks on the taps, argmax, validation, zstd Arrow shard writes (fsync'd)
+Runs are interleaved (plain, capture, plain, capture, ...) and the median of 3 is reported.
+
+    python bench/capture_overhead.py [--rows 40] [--max-tokens 1024] [--layers 3,15,27] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=40)
+    ap.add_argument("--max-tokens", type=int, default=1024)
+    ap.add_argument("--layers", default="3,15,27")
+    ap.add_argument("--batch-tokens", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+
+    from capture.chat import load_encoder, tokenizer_sha256
+    from capture.data import ReadStats, iter_conversations, resolve_dataset
+    from capture.replica import Replica, length_batches
+    from capture.targets import PRESETS, make_taps, model_dir
+    from filters import FilterConfig, apply_filters
+    from shards import format as shard_format
+
+    target = PRESETS["smollm2-135m"]
+    taps = make_taps(target, tuple(int(k) for k in args.layers.split(",")), "none")
+    mdir = model_dir(target)
+    enc = load_encoder(str(mdir))
+    filt = FilterConfig(max_tokens=args.max_tokens, overlength="truncate")
+    recs = []
+    for conv in iter_conversations(resolve_dataset("sharegpt"), ReadStats()):
+        rec = enc.encode(conv, enc.special_strings())
+        if not isinstance(rec, str) and (rec := apply_filters(rec, filt, set())[0]) is not None:
+            recs.append(rec)
+        if len(recs) == args.rows:
+            break
+    tokens = sum(r.num_tokens for r in recs)
+    header = shard_format.header(
+        target={"name": target.name}, taps=taps.describe(), columns=list(taps.columns),
+        hidden_size=target.hidden_size, dtype="bfloat16", codec="bf16", argmax=True,
+        chat_template=enc.template, chat_template_sha256=enc.template_sha256,
+        tokenizer_sha256=tokenizer_sha256(enc.tokenizer))
+    threads = torch.get_num_threads()
+    out = Path(tempfile.mkdtemp(prefix="capture-bench-"))
+    replica = Replica(str(mdir), taps, header, str(out), shard_size=64 * 2**20, batch_tokens=args.batch_tokens,
+                      threads=threads)
+    model = replica.engine.model
+    batches = [[r.input_ids for r in b] for b in length_batches(recs, args.batch_tokens)]
+
+    @torch.inference_mode()
+    def plain() -> None:
+        for batch in batches:
+            width = max(len(x) for x in batch)
+            ids = torch.zeros((len(batch), width), dtype=torch.long)
+            att = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, x in enumerate(batch):
+                ids[i, : len(x)] = torch.from_numpy(x.astype(np.int64))
+                att[i, : len(x)] = 1
+            model(input_ids=ids, attention_mask=att, use_cache=False).logits.argmax(-1)
+
+    def capture() -> None:
+        replica.process(recs)
+        replica.finish()
+
+    times = {"plain": [], "capture": []}
+    plain()  # warm-up
+    for _ in range(args.repeats):
+        for name, fn in (("plain", plain), ("capture", capture)):
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    shard_bytes = sum(p.stat().st_size for p in out.glob("shard-*.arrow"))
+    raw_state = tokens * len(taps.columns) * target.hidden_size * 2
+    p, c = statistics.median(times["plain"]), statistics.median(times["capture"])
+    print(f"SmolLM2-135M bf16 on {threads} CPU threads; {len(recs)} ShareGPT conversations, {tokens:,} tokens "
+          f"(≤{args.max_tokens} each), taps {args.layers}, argmax on, batch {args.batch_tokens} padded tokens")
+    print()
+    print("| path | median s | tokens/s | runs (s) |")
+    print("|---|---|---|---|")
+    for name, med in (("plain forward", p), ("capture (hooks + argmax + shards)", c)):
+        runs = ", ".join(f"{x:.2f}" for x in times["plain" if name.startswith("plain") else "capture"])
+        print(f"| {name} | {med:.2f} | {tokens / med:,.0f} | {runs} |")
+    print()
+    print(f"capture / plain throughput: {p / c:.3f}x (gate >= 0.90x, target >= 0.95x)")
+    print(f"bytes per token on disk: {shard_bytes / (tokens * args.repeats):,.1f} "
+          f"(raw bf16 states {raw_state / tokens:,.0f} + ids/mask/argmax; ratio to raw states "
+          f"{shard_bytes / args.repeats / raw_state:.3f})")
+
+
+if __name__ == "__main__":
+    main()
