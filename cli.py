@@ -97,6 +97,7 @@ def targets(as_json: bool) -> None:
 @click.option("--cpus-per-replica", type=int)
 @click.option("--ray-address", help="Ray cluster address (default: start a local instance).")
 @click.option("--engine", type=click.Choice(["hf"]))
+@click.option("--disk-reserve", help="Free space to keep on the output disk, e.g. 1GiB (default 64MiB).")
 @click.option("--dry-run", is_flag=True, default=None, help="Print the plan (records, tokens, bytes); write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
@@ -119,7 +120,7 @@ def run(config_file, as_json, no_progress, **flags) -> None:
 def _print_summary(s: dict) -> None:
     if s["estimated_tokens"] is not None:
         click.echo(f"plan for {s['out']}: {s['kept']} records, {s['estimated_tokens']:,} tokens, "
-                   f"~{s['estimated_bytes'] / 2**20:,.1f} MiB (already committed: {s['already_committed']})")
+                   f"~{s['estimated_bytes'] / 2**20:,.1f} MiB; {s['free_bytes'] / 2**30:,.1f} GiB free there")
     else:
         click.echo(f"{s['out']}: committed {s['committed_rows']} rows, {s['committed_tokens']:,} tokens, "
                    f"{s['shards']} shard(s), {s['committed_bytes'] / 2**20:,.1f} MiB in {s['seconds']} s; "

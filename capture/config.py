@@ -60,6 +60,7 @@ class RunConfig:
     cpus_per_replica: int | None = None  # None: all CPUs Ray sees, split over replicas
     ray_address: str | None = None  # None: start a local Ray instance
     engine: str = "hf"
+    disk_reserve: int = 64 * 2**20  # bytes kept free on the output disk beyond the next unit's estimate
     dry_run: bool = False
     progress: bool = True
 
@@ -94,7 +95,7 @@ def from_mapping(values: dict[str, Any]) -> RunConfig:
             flat[key] = tuple(flat[key])
     if "source_caps" in flat:
         flat["source_caps"] = _parse_caps(flat["source_caps"])
-    for key in ("shard_size", "batch_tokens", "unit_tokens"):
+    for key in ("shard_size", "batch_tokens", "unit_tokens", "disk_reserve"):
         if key in flat:
             flat[key] = parse_size(flat[key])
     return RunConfig(filters=filters, **flat)

@@ -33,7 +33,6 @@ from shards import manifest as manifest_mod
 
 log = logging.getLogger(__name__)
 
-DISK_RESERVE = 64 * 2**20  # bytes kept free on the output disk beyond the next unit's estimate
 LOCK = ".capture.lock"  # held by the driver for the whole run: one writer per run folder
 ZSTD_RATIO = 0.80  # measured: zstd-3 keeps 0.80x of raw bf16 hidden states (FIELD-NOTES)
 
@@ -60,6 +59,7 @@ class Summary:
     seconds: float = 0.0
     estimated_bytes: int | None = None  # dry run only
     estimated_tokens: int | None = None  # dry run only
+    free_bytes: int | None = None  # dry run only: free space where --out is (or would be)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -165,6 +165,8 @@ def plan(cfg: RunConfig) -> Summary:
     tokens = sum(r.num_tokens for r in _records(cfg, prep, summary, m.sample_ids(), seen))
     summary.estimated_tokens = tokens
     summary.estimated_bytes = int(tokens * bytes_per_token(prep.header))
+    existing = next(p for p in (Path(cfg.out).resolve(), *Path(cfg.out).resolve().parents) if p.exists())
+    summary.free_bytes = _free_bytes(str(existing))
     summary.total_rows = sum(s["rows"] for s in m.shards)
     return summary
 
@@ -211,7 +213,7 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
     if garbage:
         log.warning("%s: %d uncommitted file(s) from an interrupted run are ignored; `capture shards gc %s` removes them",
                     cfg.out, len(garbage), cfg.out)
-    if _free_bytes(cfg.out) < DISK_RESERVE:
+    if _free_bytes(cfg.out) < cfg.disk_reserve:
         raise CaptureError(f"only {_free_bytes(cfg.out) / 2**20:.0f} MiB free at {cfg.out}; free some space first")
     summary = Summary(out=cfg.out)
     seen = manifest.token_hashes() if cfg.filters.dedup else set()
@@ -220,7 +222,7 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
     we_started_ray = not ray.is_initialized()
     if we_started_ray:
         ray.init(address=cfg.ray_address, num_cpus=None if cfg.ray_address else os.cpu_count(),
-                 include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+                 include_dashboard=False, logging_level=logging.ERROR, log_to_driver=True)
     cpus = cfg.cpus_per_replica or max(1, int(ray.available_resources().get("CPU", 1)) // cfg.replicas)
     actor_cls = ray.remote(num_cpus=cpus)(_replica_class())
     actors = [actor_cls.remote(prep.model_dir, prep.taps, prep.header,
@@ -249,7 +251,7 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
     stop: str | None = None
     try:
         for unit in _units(_records(cfg, prep, summary, manifest.sample_ids(), seen), cfg.unit_tokens):
-            need = sum(r.num_tokens for r in unit) * per_token * (cfg.replicas + 1) + DISK_RESERVE
+            need = sum(r.num_tokens for r in unit) * per_token * (cfg.replicas + 1) + cfg.disk_reserve
             if _free_bytes(cfg.out) < need:
                 stop = f"only {_free_bytes(cfg.out) / 2**20:.0f} MiB free at {cfg.out}, the next unit needs ~{need / 2**20:.0f} MiB"
                 break

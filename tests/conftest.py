@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -52,3 +53,22 @@ def capture_inproc(*args: str):
     from cli import main
 
     return CliRunner().invoke(main, list(args))
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str):
+    """A real tmpfs of ``size`` mounted at ``path`` (needs root; skips the test otherwise)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip(f"needs root to mount a {size} tmpfs for a disk-full test")
+    try:
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"cannot run mount for a disk-full test: {e}")
+    if proc.returncode != 0:
+        pytest.skip(f"mount -t tmpfs failed (rc {proc.returncode}): {proc.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False, timeout=30)

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from conftest import small_disk
 import torch
 from click.testing import CliRunner
 
@@ -750,21 +751,8 @@ def test_schema_columns_and_metadata():
 
 @pytest.fixture
 def tiny_fs(tmp_path):
-    d = tmp_path / "tiny"
-    d.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a 2 MiB tmpfs for the disk-full test")
-    try:
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(d)],
-                              capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as e:
-        pytest.skip(f"cannot run mount for the disk-full test: {e}")
-    if proc.returncode != 0:
-        pytest.skip(f"mount -t tmpfs failed (rc {proc.returncode}): {proc.stderr.strip()}")
-    try:
+    with small_disk(tmp_path / "tiny", "2M") as d:
         yield d
-    finally:
-        subprocess.run(["umount", str(d)], check=False, timeout=30)
 
 
 def _fill_until_enospc(run: Path, start: int, tokens: int = 40) -> tuple[ShardWriter, OSError, int]:

@@ -44,7 +44,9 @@ class HFEngine:
 
     def __init__(self, model_dir: str, taps: Taps, *, argmax: bool = True, dtype: str = "bfloat16", threads: int | None = None):
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # one progress bar per run (the driver's), not one per replica
         if threads:
             torch.set_num_threads(threads)
         self.taps = taps
