@@ -71,6 +71,7 @@ def targets(as_json: bool) -> None:
 @click.option("--config", "config_file", type=click.Path(), help="YAML file of run settings; flags override it.")
 @click.option("--out", help="Run folder (shards + manifest.jsonl). Rerun the same command to resume.")
 @click.option("--target", help="Preset (see `capture targets`) or a local model folder.")
+@click.option("--model-path", type=click.Path(), help="Local weights for a preset target (default: HF cache).")
 @click.option("--dataset", help="`sharegpt`, a local .json/.jsonl/.parquet/.arrow file, or a hub id.")
 @click.option("--split", help="Dataset split (default train).")
 @click.option("--layers", help="Comma-separated taps: output of decoder layer k, 0-based.")
@@ -104,7 +105,7 @@ def targets(as_json: bool) -> None:
 def run(config_file, as_json, no_progress, **flags) -> None:
     """Capture hidden states (resumes an existing run folder)."""
     from capture.config import from_mapping, load_yaml
-    from capture.run import run as run_capture
+    from capture.driver import run as run_capture
 
     values = load_yaml(config_file) if config_file else {}
     if not flags["source_caps"]:

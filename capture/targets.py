@@ -224,14 +224,27 @@ def cache_dir() -> Path:
     return Path(os.environ.get("CAPTURE_CACHE", Path.home() / ".cache" / "capture"))
 
 
-def model_dir(target: Target) -> Path:
-    """A local folder with ``config.json``, bf16 safetensors and the tokenizer for ``target``.
+def model_dir(target: Target, model_path: str | None = None) -> Path:
+    """A local folder with ``config.json``, safetensors weights and the tokenizer for ``target``.
 
-    GGUF sources are dequantized once with transformers (``GgufConfig(dequantize=True)``) and saved under
-    ``cache_dir()/models/<name>-<gguf sha256[:12]>``; the folder is built under a temporary name and
-    renamed, so a killed conversion never leaves a half folder. Hub ids must already be local: raises
-    CaptureError otherwise.
+    ``model_path`` (``--model-path``) points a preset at weights on local disk; its config must have the
+    preset's layer count and hidden size. GGUF sources are dequantized once with transformers
+    (``GgufConfig(dequantize=True)``) and saved under ``cache_dir()/models/<name>-<gguf sha256[:12]>``,
+    built under a temporary name and renamed, so a killed conversion never leaves a half folder. Hub ids
+    are looked up in the local Hugging Face cache only (this tool never downloads weights by itself).
+    Raises CaptureError when no local copy exists or a given folder does not match the preset.
     """
+    if model_path is not None:
+        path = Path(model_path).expanduser()
+        if not (path / "config.json").is_file():
+            raise CaptureError(f"--model-path {model_path}: no config.json there")
+        found = resolve_target(str(path))
+        if (found.num_layers, found.hidden_size) != (target.num_layers, target.hidden_size):
+            raise CaptureError(
+                f"--model-path {model_path} has {found.num_layers} layers / hidden {found.hidden_size}, "
+                f"but {target.name} has {target.num_layers} / {target.hidden_size}"
+            )
+        return path
     if target.source.startswith("gguf:"):
         gguf = gguf_path(target.source)
         digest = sha256_file(gguf)
@@ -242,10 +255,16 @@ def model_dir(target: Target) -> Path:
     path = Path(target.source).expanduser()
     if (path / "config.json").is_file():
         return path
-    raise CaptureError(
-        f"target {target.name}: {target.source} is a hub id and no local copy was given; download it "
-        f"(e.g. `hf download {target.source} --local-dir DIR`) and pass --target DIR"
-    )
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(target.source, revision=target.revision, local_files_only=True))
+    except LocalEntryNotFoundError:
+        raise CaptureError(
+            f"target {target.name}: {target.source} is not on this machine; download it first "
+            f"(`hf download {target.source}`) or pass --model-path DIR"
+        ) from None
 
 
 def _convert_gguf(gguf: Path, out: Path, digest: str) -> None:

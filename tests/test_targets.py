@@ -50,3 +50,14 @@ def test_local_model_folder(smol_dir):
     assert all(0 <= k < 30 for k in t.default_taps)
     with pytest.raises(CaptureError, match="unknown target"):
         resolve_target("no/such-model")
+
+
+def test_preset_weights_come_from_local_disk_only(smol_dir, tmp_path, monkeypatch):
+    from capture.targets import model_dir
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(CaptureError, match="zai-org/GLM-5.3 is not on this machine"):
+        model_dir(PRESETS["glm-5.3"])
+    with pytest.raises(CaptureError, match="has 30 layers / hidden 576, but glm-5.3 has 78 / 6144"):
+        model_dir(PRESETS["glm-5.3"], str(smol_dir))
+    assert model_dir(PRESETS["smollm2-135m"], str(smol_dir)) == smol_dir

@@ -84,7 +84,7 @@ def prepare(cfg: RunConfig) -> Prepared:
     target = resolve_target(cfg.target)
     taps = make_taps(target, cfg.layers, cfg.final)
     dataset = resolve_dataset(cfg.dataset, cfg.split)
-    mdir = model_dir(target)
+    mdir = model_dir(target, cfg.model_path)
     encoder = load_encoder(str(mdir), chat_template_file=cfg.chat_template, system_prompt=cfg.system_prompt,
                            special_text=cfg.special_text)
     model_cfg = json.loads((mdir / "config.json").read_text())
