@@ -90,7 +90,9 @@ def targets(as_json: bool) -> None:
 @click.option("--min-loss-tokens", type=int)
 @click.option("--overlength", type=click.Choice(["drop", "truncate"]), help="Over --max-tokens / model context.")
 @click.option("--dedup/--no-dedup", default=None, help="Drop exact duplicates by token_sha256.")
-@click.option("--codec", type=click.Choice(["bf16"]))
+@click.option("--codec", type=click.Choice(["bf16", "bf16-split", "fp8-e4m3"]),
+              help="State codec (default bf16-split, lossless; fp8-e4m3 is lossy, 0.43x).")
+@click.option("--codec-threads", type=int, help="Encoder threads per replica (default 2).")
 @click.option("--shard-size", help="Target shard size, e.g. 512MiB.")
 @click.option("--batch-tokens", type=int, help="Padded tokens per forward.")
 @click.option("--unit-tokens", type=int, help="Tokens per work unit sent to a replica.")
@@ -122,6 +124,8 @@ def _print_summary(s: dict) -> None:
     if s["estimated_tokens"] is not None:
         click.echo(f"plan for {s['out']}: {s['kept']} records, {s['estimated_tokens']:,} tokens, "
                    f"~{s['estimated_bytes'] / 2**20:,.1f} MiB; {s['free_bytes'] / 2**30:,.1f} GiB free there")
+        click.echo("estimated size by codec: " + ", ".join(
+            f"{c} {b / 2**20:,.1f} MiB" for c, b in s["estimated_bytes_by_codec"].items()))
     else:
         click.echo(f"{s['out']}: committed {s['committed_rows']} rows, {s['committed_tokens']:,} tokens, "
                    f"{s['shards']} shard(s), {s['committed_bytes'] / 2**20:,.1f} MiB in {s['seconds']} s; "

@@ -28,13 +28,13 @@ from capture.data import DatasetRef, ReadStats, iter_conversations, resolve_data
 from capture.errors import CaptureError
 from capture.targets import Taps, Target, make_taps, model_dir, resolve_target
 from filters import apply_filters
+from shards import codecs
 from shards import format as shard_format
 from shards import manifest as manifest_mod
 
 log = logging.getLogger(__name__)
 
 LOCK = ".capture.lock"  # held by the driver for the whole run: one writer per run folder
-ZSTD_RATIO = 0.80  # measured: zstd-3 keeps 0.80x of raw bf16 hidden states (FIELD-NOTES)
 
 
 @dataclasses.dataclass
@@ -59,6 +59,7 @@ class Summary:
     seconds: float = 0.0
     estimated_bytes: int | None = None  # dry run only
     estimated_tokens: int | None = None  # dry run only
+    estimated_bytes_by_codec: dict | None = None  # dry run only
     free_bytes: int | None = None  # dry run only: free space where --out is (or would be)
 
     def as_dict(self) -> dict:
@@ -148,9 +149,9 @@ def _units(records, unit_tokens: int):
         yield unit
 
 
-def bytes_per_token(header: dict) -> float:
-    """Estimated stored bytes per token: states at the zstd ratio, plus ids, mask and argmax."""
-    states = len(header["columns"]) * header["hidden_size"] * 2 * ZSTD_RATIO
+def bytes_per_token(header: dict, codec: str | None = None) -> float:
+    """Estimated stored bytes per token: states at the codec's measured ratio, plus ids, mask, argmax."""
+    states = len(header["columns"]) * header["hidden_size"] * 2 * codecs.RATIO[codec or header["codec"]]
     return states + 4 + 1 + (4 if header["argmax"] else 0)
 
 
@@ -165,6 +166,7 @@ def plan(cfg: RunConfig) -> Summary:
     tokens = sum(r.num_tokens for r in _records(cfg, prep, summary, m.sample_ids(), seen))
     summary.estimated_tokens = tokens
     summary.estimated_bytes = int(tokens * bytes_per_token(prep.header))
+    summary.estimated_bytes_by_codec = {c: int(tokens * bytes_per_token(prep.header, c)) for c in codecs.CODECS}
     existing = next(p for p in (Path(cfg.out).resolve(), *Path(cfg.out).resolve().parents) if p.exists())
     summary.free_bytes = _free_bytes(str(existing))
     summary.total_rows = sum(s["rows"] for s in m.shards)
@@ -227,7 +229,8 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
     actor_cls = ray.remote(num_cpus=cpus)(_replica_class())
     actors = [actor_cls.remote(prep.model_dir, prep.taps, prep.header,
                                str(Path(cfg.out).resolve()), shard_size=cfg.shard_size,
-                               batch_tokens=cfg.batch_tokens, threads=cpus) for _ in range(cfg.replicas)]
+                               batch_tokens=cfg.batch_tokens, threads=cpus, codec_threads=cfg.codec_threads)
+              for _ in range(cfg.replicas)]
     pool = ActorPool(actors)
     bar = _progress(cfg)
     rejected: collections.Counter = collections.Counter()

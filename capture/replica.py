@@ -4,6 +4,11 @@ A replica runs as a Ray actor (see :mod:`capture.driver`); it owns an engine and
 :class:`shards.writer.ShardWriter`. It never touches the manifest: it returns the shards it closed and
 the driver commits them, so two replicas never claim the same shard or sample.
 
+The writer runs in a thread of its own, so encoding and I/O overlap the next forward: the engine hands
+each batch of rows to a queue of at most two batches (bounded memory in flight; the engine waits when
+the writer falls behind), and the writer encodes cells with its own small thread pool (zstd and numpy
+release the GIL). A writer error (e.g. ENOSPC) is raised by the next ``process`` or ``finish`` call.
+
 Write-time validation: a record whose states hold NaN or Inf is rejected with the reason
 ``nonfinite_states`` (counted, not written); a length mismatch between ids, mask, argmax and states is a
 bug in an engine and raises RuntimeError.
@@ -12,6 +17,8 @@ bug in an engine and raises RuntimeError.
 from __future__ import annotations
 
 import dataclasses
+import queue
+import threading
 from typing import Sequence
 
 import torch
@@ -65,11 +72,35 @@ class Replica:
     """Engine + shard writer. ``header`` is the run header (shards.format.header)."""
 
     def __init__(self, model_dir: str, taps: Taps, header: dict, out_dir: str, *, shard_size: int,
-                 batch_tokens: int, threads: int | None = None):
+                 batch_tokens: int, threads: int | None = None, codec_threads: int = 2):
         self.engine = HFEngine(model_dir, taps, argmax=header["argmax"], dtype=header["dtype"], threads=threads)
         self.hidden_size = header["hidden_size"]
         self.batch_tokens = batch_tokens
-        self.writer = ShardWriter(out_dir, schema(header), shard_size)
+        self.writer = ShardWriter(out_dir, schema(header), shard_size, threads=codec_threads)
+        self._queue: queue.Queue = queue.Queue(maxsize=2)
+        self._closed: queue.SimpleQueue[ShardInfo] = queue.SimpleQueue()  # writer thread → caller
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._write_loop, name="shard-writer", daemon=True)
+        self._thread.start()
+
+    def _write_loop(self) -> None:
+        while (rows := self._queue.get()) is not None:
+            if self._error is not None:
+                continue  # drop: nothing of a failed writer is committed; the error is raised to the driver
+            try:
+                for info in self.writer.write(rows):
+                    self._closed.put(info)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                self._error = e
+
+    def _collect(self) -> list[ShardInfo]:
+        """Shards the writer closed since the last call; raises the writer's error if it failed."""
+        if self._error is not None:
+            raise self._error
+        closed = []
+        while not self._closed.empty():
+            closed.append(self._closed.get())
+        return closed
 
     def process(self, unit: Sequence[Tokenized]) -> UnitResult:
         """Prefill and write one work unit; returns the shards closed meanwhile and the rejections."""
@@ -82,11 +113,17 @@ class Replica:
                     result.rejected[rec.sample_id] = row
                 else:
                     rows.append(row)
-            result.shards += self.writer.write(rows)
+            if self._error is not None:  # fail fast: the writer failed
+                raise self._error
+            if rows:
+                self._queue.put(rows)
             result.tokens += sum(r.num_tokens for r in batch)
             result.rows += len(rows)
+        result.shards = self._collect()
         return result
 
     def finish(self) -> list[ShardInfo]:
-        """Close the open shard; returns it (for the driver to commit)."""
-        return self.writer.close()
+        """Wait for the writer, close the open shard; returns the shards not yet handed to the driver."""
+        self._queue.put(None)
+        self._thread.join()
+        return self._collect() + self.writer.close()

@@ -14,12 +14,15 @@ argmax              list<int32>                 ``[T]`` target's greedy predicti
 num_tokens          int32                       T
 num_loss_tokens     int32                       ``sum(loss_mask)``
 token_sha256        string                      SHA-256 hex of the little-endian int32 bytes of input_ids
-tap_<k>             large_binary                ``[T, H]`` states after decoder layer k, raw bits
-final               large_binary                ``[T, H]`` final state (if stored), raw bits
+tap_<k>             large_binary                ``[T, H]`` states after decoder layer k, one encoded cell
+final               large_binary                ``[T, H]`` final state (if stored), one encoded cell
 ==================  ==========================  ==================================================
 
-State columns hold the row-major bytes of a ``[T, H]`` tensor; each field's metadata records ``dtype``
-(``bfloat16`` or ``float16``: some engines give fp16), ``shape`` and ``layer``. The schema metadata key
+Each state cell is one ``[T, H]`` tensor encoded by the run's codec (:mod:`shards.codecs`: ``bf16``,
+``bf16-split``, ``fp8-e4m3``), self-contained and already compressed, so the IPC stream itself is
+written uncompressed (ids, mask and argmax are ~9 bytes a token next to kilobytes of states). Each state
+field's metadata records ``codec``, ``dtype`` (``bfloat16`` or ``float16``: some engines give fp16; the
+dtype a cell decodes to), ``shape`` and ``layer``. The schema metadata key
 ``capture`` holds a JSON header (:func:`header`): format version, target, taps and conventions, hidden
 size, codec, chat template text and hash, tokenizer hash. Readers refuse an unknown major version.
 """
@@ -31,11 +34,11 @@ import json
 import pyarrow as pa
 
 from capture.errors import CaptureError
+from shards import codecs
 
 FORMAT_VERSION = "1.0"
 METADATA_KEY = b"capture"
 STATE_TYPE = pa.large_binary()
-CODECS = {"bf16": "Arrow IPC buffers compressed with zstd (lossless)"}
 
 
 class FormatError(CaptureError):
@@ -60,7 +63,8 @@ def schema(header: dict) -> pa.Schema:
     ]
     for column in header["columns"]:
         layer = column.removeprefix("tap_") if column.startswith("tap_") else header["taps"]["final"]
-        meta = {"dtype": header["dtype"], "shape": f"[T, {header['hidden_size']}]", "layer": str(layer)}
+        meta = {"codec": header["codec"], "dtype": header["dtype"], "shape": f"[T, {header['hidden_size']}]",
+                "layer": str(layer)}
         fields.append(pa.field(column, STATE_TYPE, nullable=False, metadata=meta))
     return pa.schema(fields, metadata={METADATA_KEY: json.dumps(header, sort_keys=True).encode()})
 
@@ -68,8 +72,7 @@ def schema(header: dict) -> pa.Schema:
 def header(*, target: dict, taps: dict, columns: list[str], hidden_size: int, dtype: str, codec: str,
            argmax: bool, chat_template: str, chat_template_sha256: str, tokenizer_sha256: str) -> dict:
     """The run header stored in every shard's schema metadata and as the manifest's first line."""
-    if codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
+    codecs.check(codec)
     return {
         "format_version": FORMAT_VERSION,
         "target": target,
@@ -78,7 +81,7 @@ def header(*, target: dict, taps: dict, columns: list[str], hidden_size: int, dt
         "hidden_size": hidden_size,
         "dtype": dtype,
         "codec": codec,
-        "compression": "zstd",
+        "lossless": codecs.LOSSLESS[codec],
         "argmax": argmax,
         "chat_template": chat_template,
         "chat_template_sha256": chat_template_sha256,

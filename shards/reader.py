@@ -1,20 +1,20 @@
-"""Read shards: whole tables (memory-mapped), rows, and states as bf16 tensors without copies.
+"""Read shards: whole tables (memory-mapped), rows, and states decoded into bf16 tensors.
 
-A state cell is the raw bytes of a ``[T, H]`` tensor (see :mod:`shards.format`); :func:`state_tensor`
-wraps those bytes in a torch tensor of the recorded dtype with no per-element Python and no widening.
+A state cell is one ``[T, H]`` tensor encoded by the run's codec (see :mod:`shards.format`);
+:func:`state_tensor` decodes it straight into a torch tensor of the recorded dtype (no widening to
+float32, no per-element Python).
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
 import pyarrow as pa
 import torch
 
+from shards import codecs
 from shards import manifest as manifest_mod
 from shards.format import FormatError, read_header
 
@@ -22,8 +22,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def read_table(path: str | os.PathLike, columns: list[str] | None = None) -> pa.Table:
-    """All record batches of one shard, or only ``columns`` (the others are neither read into memory nor
-    decompressed). Raises FormatError for an unknown format version."""
+    """All record batches of one shard, or only ``columns`` (the others are not read into memory);
+    ``num_tokens`` comes along with any state column. Raises FormatError for an unknown format version
+    or an unknown column."""
     with pa.memory_map(str(path)) as source:
         schema = pa.ipc.open_stream(source).schema
         read_header(schema)
@@ -33,6 +34,8 @@ def read_table(path: str | os.PathLike, columns: list[str] | None = None) -> pa.
         missing = [c for c in columns if c not in schema.names]
         if not columns or missing:
             raise FormatError(f"{path}: no column(s) {missing or columns} (it has {', '.join(schema.names)})")
+        if any(schema.field(c).type == pa.large_binary() for c in columns) and "num_tokens" not in columns:
+            columns = [*columns, "num_tokens"]  # a state cell decodes with its row's token count
         options = pa.ipc.IpcReadOptions(included_fields=[schema.get_field_index(c) for c in columns])
         source.seek(0)
         return pa.ipc.open_stream(source, options=options).read_all()
@@ -45,15 +48,16 @@ def shard_paths(run_dir: str | os.PathLike) -> list[Path]:
 
 
 def state_tensor(table: pa.Table, column: str, row: int) -> torch.Tensor:
-    """States of ``column`` for ``row`` as a ``[T, H]`` tensor (bf16 or fp16, as recorded), zero-copy."""
+    """States of ``column`` for ``row``: a ``[T, H]`` tensor of the recorded dtype (bf16 or fp16), decoded
+    by the recorded codec (:mod:`shards.codecs`). ``table`` must include ``num_tokens``."""
     field = table.schema.field(column)
-    hidden = int(field.metadata[b"shape"].decode().strip("[]").split(",")[1])
-    dtype = DTYPES[field.metadata[b"dtype"].decode()]
-    buf = table.column(column)[row].as_buffer()
-    with warnings.catch_warnings():  # Arrow buffers are read-only; torch warns but never writes here
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.from_numpy(np.frombuffer(buf, dtype=np.int16))
-    return flat.view(dtype).view(-1, hidden)
+    meta = field.metadata
+    hidden = int(meta[b"shape"].decode().strip("[]").split(",")[1])
+    if "num_tokens" not in table.column_names:
+        raise FormatError(f"decoding {column} needs the num_tokens column; read it too")
+    tokens = table.column("num_tokens")[row].as_py()
+    cell = table.column(column)[row].as_buffer()
+    return codecs.decode(meta[b"codec"].decode(), cell, tokens, hidden, DTYPES[meta[b"dtype"].decode()])
 
 
 def iter_rows(run_dir: str | os.PathLike) -> Iterator[dict]:

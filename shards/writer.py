@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import time
 import uuid
 from pathlib import Path
-from typing import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from shards.format import STATE_TYPE
+from shards import codecs
+from shards.format import METADATA_KEY, STATE_TYPE
 
 TMP_PREFIX = ".tmp-"
 
@@ -63,17 +66,15 @@ def _list_array(arrays: Sequence[np.ndarray], value_type: pa.DataType) -> pa.Arr
     return pa.ListArray.from_arrays(pa.array(offsets), values)
 
 
-def _state_array(tensors: Sequence[torch.Tensor]) -> pa.Array:
-    """``large_binary`` array whose value i is the raw row-major bytes of ``tensors[i]`` (one copy)."""
-    flat = torch.cat([t.reshape(-1) for t in tensors]).view(torch.int16).numpy()
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    offsets = np.zeros(len(tensors) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    return pa.Array.from_buffers(STATE_TYPE, len(tensors), [None, pa.py_buffer(offsets), pa.py_buffer(flat)])
+def _state_array(cells: Sequence[bytes]) -> pa.Array:
+    return pa.array(cells, type=STATE_TYPE)
 
 
-def record_batch(schema: pa.Schema, rows: Sequence[Row]) -> pa.RecordBatch:
-    """Rows → one Arrow record batch with ``schema``'s columns."""
+def record_batch(schema: pa.Schema, rows: Sequence[Row], encode: Callable = None) -> pa.RecordBatch:
+    """Rows → one Arrow record batch with ``schema``'s columns. ``encode`` maps a list of ``[T, H]``
+    tensors to their cells (default: the run codec, one thread)."""
+    codec = json.loads(schema.metadata[METADATA_KEY])["codec"]
+    encode = encode or (lambda tensors: [codecs.encode(codec, t) for t in tensors])
     cols: dict[str, pa.Array] = {
         "sample_id": pa.array([r.sample_id for r in rows], pa.string()),
         "source": pa.array([r.source for r in rows], pa.string()),
@@ -88,7 +89,7 @@ def record_batch(schema: pa.Schema, rows: Sequence[Row]) -> pa.RecordBatch:
         cols["argmax"] = _list_array([r.argmax for r in rows], pa.int32())
     for name in schema.names:
         if schema.field(name).type == STATE_TYPE:
-            cols[name] = _state_array([r.states[name] for r in rows])
+            cols[name] = _state_array(encode([r.states[name] for r in rows]))
     return pa.RecordBatch.from_arrays([cols[n] for n in schema.names], schema=schema)
 
 
@@ -127,16 +128,18 @@ def fsync_dir(path: Path) -> None:
 class ShardWriter:
     """Appends rows to size-bounded shards in ``out_dir``. Not thread-safe; one per replica.
 
-    ``target_bytes``: a shard is closed once its compressed size reaches this many bytes.
-    ``zstd_level``: compression level of the Arrow IPC buffers.
+    ``target_bytes``: a shard is closed once its size on disk reaches this many bytes.
+    ``threads``: cells are encoded by a pool of this many threads (zstd and numpy release the GIL).
     Raises OSError (e.g. ENOSPC) from the file system; the temporary file is removed first.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, schema: pa.Schema, target_bytes: int, zstd_level: int = 3):
+    def __init__(self, out_dir: str | os.PathLike, schema: pa.Schema, target_bytes: int, threads: int = 1):
         self.out_dir = Path(out_dir)
         self.schema = schema
         self.target_bytes = target_bytes
-        self.options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", compression_level=zstd_level))
+        self.codec = json.loads(schema.metadata[METADATA_KEY])["codec"]
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="encode") if threads > 1 else None
+        self.options = pa.ipc.IpcWriteOptions(compression=None)
         self._open: tuple[str, _HashingFile, pa.ipc.RecordBatchStreamWriter] | None = None
         self._rows: list[tuple[str, str, int, int]] = []  # sample_id, token_sha256, tokens, loss tokens
 
@@ -149,12 +152,17 @@ class ShardWriter:
                 name = f"shard-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:12]}.arrow"
                 sink = _HashingFile(self.out_dir / (TMP_PREFIX + name))
                 self._open = (name, sink, pa.ipc.new_stream(sink, self.schema, options=self.options))
-            self._open[2].write_batch(record_batch(self.schema, rows))
+            self._open[2].write_batch(record_batch(self.schema, rows, self._encode))
         except BaseException:
             self.abort()
             raise
         self._rows += [(r.sample_id, r.token_sha256, len(r.input_ids), int(r.loss_mask.sum())) for r in rows]
         return self.close() if self._open[1].size >= self.target_bytes else []
+
+    def _encode(self, tensors: Sequence[torch.Tensor]) -> list[bytes]:
+        if self.pool is None:
+            return [codecs.encode(self.codec, t) for t in tensors]
+        return list(self.pool.map(lambda t: codecs.encode(self.codec, t), tensors))
 
     def close(self) -> list[ShardInfo]:
         """Finish the open shard (if any): end the stream, fsync, rename. Returns its info."""

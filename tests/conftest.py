@@ -71,4 +71,4 @@ def small_disk(path: Path, size: str):
     try:
         yield path
     finally:
-        subprocess.run(["umount", str(path)], check=False, timeout=30)
+        subprocess.run(["umount", "--lazy", str(path)], check=False, timeout=30)  # Ray workers may still be exiting

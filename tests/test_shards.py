@@ -200,7 +200,7 @@ def test_round_trip_one_shard(tmp_path):
         assert_row_equal(g, r)
 
     sub = read_table(path, columns=["sample_id", "tap_3"])
-    assert set(sub.column_names) == {"sample_id", "tap_3"}
+    assert set(sub.column_names) == {"sample_id", "tap_3", "num_tokens"}  # states decode with num_tokens
     assert sub.num_rows == 7
     assert sub["sample_id"].to_pylist() == [r.sample_id for r in rows]
     for i, r in enumerate(rows):
@@ -464,7 +464,7 @@ def _commit_bad_rows(run: Path, rows: list[Row]) -> ShardInfo:
 
 
 @pytest.mark.parametrize("damage, message", [
-    ("state_shape", "tap_3: 1 row(s) with the wrong byte size"),
+    ("state_shape", "tap_3: 1 row(s) do not decode to [T, H], e.g. d:601"),
     ("token_hash", "token_sha256 mismatch in 1 row(s), e.g. d:601"),
     ("mask_length", "loss_mask lengths differ from num_tokens in 1 row(s)"),
     ("argmax_length", "argmax lengths differ from num_tokens in 1 row(s)"),
@@ -735,11 +735,12 @@ def test_verify_reports_unreadable_shard_version(good_run):
 def test_schema_columns_and_metadata():
     assert SCHEMA.names == ["sample_id", "source", "row_index", "input_ids", "loss_mask", "argmax", "num_tokens",
                             "num_loss_tokens", "token_sha256", "tap_1", "tap_3", "final"]
-    assert SCHEMA.field("tap_3").metadata == {b"dtype": b"bfloat16", b"shape": b"[T, 8]", b"layer": b"3"}
+    assert SCHEMA.field("tap_3").metadata == {b"codec": b"bf16", b"dtype": b"bfloat16", b"shape": b"[T, 8]",
+                                              b"layer": b"3"}
     assert SCHEMA.field("final").metadata[b"layer"] == b"post-norm"
     assert shard_format.read_header(SCHEMA) == HEADER
     assert "argmax" not in shard_format.schema(make_header(argmax=False)).names
-    with pytest.raises(ValueError, match="codec"):
+    with pytest.raises(CaptureError, match="unknown codec .nope."):
         shard_format.header(
             target={}, taps={}, columns=[], hidden_size=1, dtype="bfloat16", codec="nope", argmax=False,
             chat_template="", chat_template_sha256="", tokenizer_sha256="")

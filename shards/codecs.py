@@ -1,0 +1,98 @@
+"""State codecs: how one ``[T, H]`` tensor of hidden states becomes the bytes of one shard cell.
+
+Every cell is self-contained (a row decodes without its neighbours) and every codec decodes straight
+into a bf16 (or fp16) tensor. Ratios and speeds are measured in ``bench/codecs.out`` on real SmolLM2
+states of ShareGPT; the numbers in this table come from there.
+
+============  ========  =====================================================================  ======
+codec         lossless  cell layout                                                            ratio
+============  ========  =====================================================================  ======
+bf16          yes       zstd-1 frame of the row-major 16-bit values                            ~0.78
+bf16-split    yes       zstd-1 frame of the high bytes stored channel-major (``[H, T]``),      ~0.68
+                        then the low bytes raw (``[T, H]``; mantissa bits barely compress)
+fp8-e4m3      no        float32 scale per token (``[T]``, amax / 448), then a zstd-1 frame of  ~0.43
+                        the e4m3 values ``x / scale`` (``[T, H]``)
+============  ========  =====================================================================  ======
+
+Why split bytes: a bf16 value's high byte (sign + 7 exponent bits) has ~2.7 bits of entropy per
+channel, its low byte (1 exponent bit + 7 mantissa bits) ~7.9; interleaved, zstd sees noise. Why one
+FP8 scale per token: hidden states carry outliers of |h| ~ 25,000 in a few channels, which a per-tensor
+scale would crush (FIELD-NOTES "Compression").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import zstandard
+
+LOSSLESS = {"bf16": True, "bf16-split": True, "fp8-e4m3": False}
+CODECS = tuple(LOSSLESS)
+DEFAULT = "bf16-split"
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+# stored bytes / raw bf16 bytes, measured on real SmolLM2 states of ShareGPT (bench/codecs.out); used
+# for disk estimates (`capture run --dry-run`)
+RATIO = {"bf16": 0.78, "bf16-split": 0.69, "fp8-e4m3": 0.43}
+ZSTD_LEVEL = 1  # level 1 beats level 3 on these planes and runs ~2.5x faster (bench/codecs.out)
+
+
+def check(codec: str) -> str:
+    if codec not in LOSSLESS:
+        from capture.errors import CaptureError
+
+        raise CaptureError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
+    return codec
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """The 16-bit patterns of a bf16/fp16 tensor as uint16 ``[T, H]`` (no copy when contiguous)."""
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def encode(codec: str, states: torch.Tensor, level: int = ZSTD_LEVEL) -> bytes:
+    """Encode ``states`` (bf16 or fp16, ``[T, H]``) into one cell. Releases the GIL inside zstd."""
+    zc = zstandard.ZstdCompressor(level=level)
+    if codec == "bf16":
+        return zc.compress(_bits(states))
+    if codec == "bf16-split":
+        bits = _bits(states)
+        high = np.ascontiguousarray((bits >> 8).astype(np.uint8).T)
+        low = (bits & 0xFF).astype(np.uint8)
+        return zc.compress(high) + low.tobytes()
+    if codec == "fp8-e4m3":
+        x = states.float()
+        scale = (x.abs().amax(dim=1) / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+        q = (x / scale[:, None]).to(torch.float8_e4m3fn)
+        return scale.numpy().astype("<f4").tobytes() + zc.compress(q.view(torch.uint8).numpy())
+    raise ValueError(f"unknown codec {codec!r}")
+
+
+def decode(codec: str, cell, tokens: int, hidden: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Decode one cell into a ``[tokens, hidden]`` tensor of ``dtype`` (fp8 decodes to it too).
+
+    ``cell`` is any buffer (bytes, memoryview, ``pyarrow.Buffer``). Raises ValueError on a size mismatch.
+    """
+    n = tokens * hidden
+    zd = zstandard.ZstdDecompressor()
+    if codec == "bf16":
+        bits = np.frombuffer(zd.decompress(cell, max_output_size=2 * n), dtype=np.uint16).copy()
+    elif codec == "bf16-split":
+        buf = memoryview(cell)
+        high = np.frombuffer(zd.decompress(buf[: len(buf) - n], max_output_size=n), dtype=np.uint8)
+        low = np.frombuffer(buf[len(buf) - n :], dtype=np.uint8)
+        if high.size != n or low.size != n:
+            raise ValueError(f"bf16-split cell holds {high.size}+{low.size} bytes, expected {n}+{n}")
+        bits = (high.reshape(hidden, tokens).T.astype(np.uint16) << 8) | low.reshape(tokens, hidden)
+    elif codec == "fp8-e4m3":
+        buf = memoryview(cell)
+        scale = torch.from_numpy(np.frombuffer(buf[: 4 * tokens], dtype="<f4").copy())
+        q = np.frombuffer(zd.decompress(buf[4 * tokens :], max_output_size=n), dtype=np.uint8)
+        if q.size != n:
+            raise ValueError(f"fp8-e4m3 cell holds {q.size} values, expected {n}")
+        x = torch.from_numpy(q.copy()).view(torch.float8_e4m3fn).float().view(tokens, hidden) * scale[:, None]
+        return x.to(dtype)
+    else:
+        raise ValueError(f"unknown codec {codec!r}")
+    if bits.size != n:
+        raise ValueError(f"{codec} cell holds {bits.size} values, expected {n}")
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(dtype).view(tokens, hidden)
