@@ -205,6 +205,22 @@ def shards_verify(run_dir, as_json) -> None:
     sys.exit(0 if report.ok else 1)
 
 
+@shards.command("recode")
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.argument("dst", type=click.Path(file_okay=False))
+@click.option("--codec", required=True, type=click.Choice(["bf16", "bf16-split", "fp8-e4m3"]))
+@click.option("--shard-size", default="512MiB", show_default=True)
+@click.option("--threads", default=2, show_default=True, help="Encoder threads.")
+def shards_recode(src, dst, codec, shard_size, threads) -> None:
+    """Copy a run into DST with its states stored in another codec (rerun to resume)."""
+    from capture.config import parse_size
+    from shards.recode import recode
+
+    c = recode(src, dst, codec, shard_size=parse_size(shard_size), threads=threads)
+    click.echo(f"{dst}: recoded {c['rows']} rows into {c['shards']} shard(s), {c['bytes'] / 2**20:,.1f} MiB "
+               f"({c['already']} already there)")
+
+
 @shards.command("gc")
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--dry-run", is_flag=True, help="List what would be removed.")
