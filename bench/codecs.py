@@ -1,0 +1,98 @@
+"""Codec table on real hidden states: ratio to raw bf16, encode / decode MB/s on one core, fidelity.
+
+States: SmolLM2-135M (bf16) over real ShareGPT conversations through its chat template, taps 3/15/27,
+each conversation cut to --max-tokens. MB/s are raw bf16 megabytes (1e6) per second of one thread.
+
+    python bench/codecs.py [--tokens 13600] [--max-tokens 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=13600)
+    ap.add_argument("--max-tokens", type=int, default=1024)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    from capture.chat import load_encoder
+    from capture.data import ReadStats, iter_conversations, resolve_dataset
+    from capture.engines.hf import HFEngine
+    from capture.targets import PRESETS, make_taps, model_dir
+    from shards import codecs
+
+    mdir = model_dir(PRESETS["smollm2-135m"])
+    enc = load_encoder(str(mdir))
+    engine = HFEngine(str(mdir), make_taps(PRESETS["smollm2-135m"], (3, 15, 27), "none"), argmax=False, threads=2)
+    states, tokens = [], 0
+    for conv in iter_conversations(resolve_dataset("sharegpt"), ReadStats()):
+        rec = enc.encode(conv, enc.special_strings())
+        if isinstance(rec, str):
+            continue
+        cap = engine.forward([rec.input_ids[: args.max_tokens]])[0]
+        states += list(cap.states.values())
+        tokens += cap.states["tap_3"].shape[0]
+        if tokens >= args.tokens:
+            break
+    torch.set_num_threads(1)
+    raw = sum(x.numel() * 2 for x in states)
+    print(f"{tokens:,} tokens of real SmolLM2 states (taps 3/15/27, hidden 576, bf16), {raw / 1e6:.1f} MB raw; "
+          "one thread")
+    print()
+    print("| codec | lossless | bytes vs raw bf16 | encode MB/s | decode MB/s | per-token cosine (mean / min) |")
+    print("|---|---|---|---|---|---|")
+    cos = torch.nn.functional.cosine_similarity
+    for codec in codecs.CODECS:
+        t = time.perf_counter()
+        cells = [codecs.encode(codec, x) for x in states]
+        t_enc = time.perf_counter() - t
+        bufs = [pa.py_buffer(c) for c in cells]
+        t = time.perf_counter()
+        out = [codecs.decode(codec, b, *x.shape) for b, x in zip(bufs, states)]
+        t_dec = time.perf_counter() - t
+        size = sum(len(c) for c in cells)
+        if codecs.LOSSLESS[codec]:
+            assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(states, out))
+            fidelity = "bit-exact"
+        else:
+            sims = torch.cat([cos(a.float(), b.float(), dim=-1) for a, b in zip(states, out)])
+            fidelity = f"{sims.mean():.5f} / {sims.min():.5f}"
+        print(f"| {codec} | {'yes' if codecs.LOSSLESS[codec] else 'no'} | {size / raw:.3f}x | "
+              f"{raw / 1e6 / t_enc:,.0f} | {raw / 1e6 / t_dec:,.0f} | {fidelity} |")
+    # the alternative layout for bf16-split: high bytes channel-major ([H, T]) before zstd
+    import zstandard
+
+    zc = zstandard.ZstdCompressor(level=codecs.ZSTD_LEVEL)
+    t = time.perf_counter()
+    size = 0
+    for x in states:
+        pairs = x.view(torch.int16).numpy().view(np.uint8).reshape(*x.shape, 2)
+        size += len(zc.compress(np.ascontiguousarray(pairs[..., 1].T))) + len(np.ascontiguousarray(pairs[..., 0]).tobytes())
+    t_enc = time.perf_counter() - t
+    print(f"| (bf16-split with channel-major high bytes, not used) | yes | {size / raw:.3f}x | {raw / 1e6 / t_enc:,.0f} | | |")
+    # the floor for a coder that sees one byte at a time with per-channel statistics (FIELD-NOTES)
+    entropy, channels = 0.0, 0
+    for tap in range(3):  # states alternate tap 3, 15, 27 per conversation
+        bits = np.concatenate([x.view(torch.int16).numpy().view(np.uint16) for x in states[tap::3]])
+        high = (bits >> 8).astype(np.uint8)
+        for j in range(high.shape[1]):
+            p = np.bincount(high[:, j], minlength=256) / high.shape[0]
+            p = p[p > 0]
+            entropy += float(-(p * np.log2(p)).sum())
+            channels += 1
+    floor = (entropy / channels / 8 + 1) / 2
+    print()
+    print(f"order-0 floor with per-channel statistics (high byte {entropy / channels:.2f} bits, low byte "
+          f"stored raw): {floor:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
