@@ -234,6 +234,7 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
     pool = ActorPool(actors)
     bar = _progress(cfg)
     rejected: collections.Counter = collections.Counter()
+    prefilled = [0]  # rows through the engine (committed once their shard closes)
 
     def commit(infos) -> None:
         for info in infos:
@@ -248,8 +249,9 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
         result = pool.get_next_unordered()
         commit(result.shards)
         rejected.update(result.rejected.values())
+        prefilled[0] += result.rows
         bar.update(result.tokens)
-        bar.set_postfix(rows=summary.committed_rows, shards=summary.shards, refresh=False)
+        bar.set_postfix(rows=prefilled[0], committed=summary.committed_rows, shards=summary.shards, refresh=False)
 
     stop: str | None = None
     try:
