@@ -43,10 +43,10 @@ def _table(rows: list[dict]) -> None:
 
 
 @click.group(cls=_Group)
-@click.option("-v", "--verbose", count=True, help="-v: info, -vv: debug (per-row skips).")
+@click.option("-v", "--verbose", count=True, help="-v: debug (each skipped row and its reason).")
 def main(verbose: int) -> None:
     """Capture target hidden states over conversation datasets into verified shards."""
-    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(verbose + 1, 2)]
+    level = logging.DEBUG if verbose else logging.INFO
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "filelock", "datasets", "fsspec", "transformers"):
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
@@ -225,13 +225,12 @@ def shards_recode(src, dst, codec, shard_size, threads) -> None:
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--dry-run", is_flag=True, help="List what would be removed.")
 def shards_gc(run_dir, dry_run) -> None:
-    """Remove shard files no manifest line names (left by interrupted runs)."""
-    from shards.manifest import garbage
+    """Remove shard files no manifest line names (left by interrupted runs). Refused while a capture
+    writes to RUN_DIR, and in a folder that holds no run."""
+    from shards.manifest import gc
 
-    for path in garbage(run_dir):
+    for path in gc(run_dir, dry_run):
         click.echo(f"{'would remove' if dry_run else 'removed'} {path.name}")
-        if not dry_run:
-            path.unlink()
 
 
 if __name__ == "__main__":

@@ -66,6 +66,52 @@ class RunConfig:
     dry_run: bool = False
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+_CHOICES = {
+    "final": (None, "none", "post-norm", "pre-norm"),
+    "alternation": ("normalize", "skip"),
+    "special_text": ("drop", "keep"),
+    "codec": ("bf16", "bf16-split", "fp8-e4m3"),
+    "engine": ("hf",),
+}
+_INTS = {  # field: smallest allowed value (None allowed where the default is None)
+    "limit": 0, "shard_size": 1, "batch_tokens": 1, "unit_tokens": 1, "replicas": 1, "cpus_per_replica": 1,
+    "codec_threads": 1, "disk_reserve": 0,
+}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _validate(cfg: "RunConfig") -> None:
+    """Raise CaptureError (one line, naming the setting) for a value of the wrong type or range."""
+    def bad(name, value, want):
+        raise CaptureError(f"{name.replace('_', '-')}: {value!r} is not {want}")
+
+    if not isinstance(cfg.out, str) or not cfg.out.strip():
+        bad("out", cfg.out, "a folder path")
+    for name, choices in _CHOICES.items():
+        if getattr(cfg, name) not in choices:
+            bad(name, getattr(cfg, name), "one of " + ", ".join(c for c in choices if c))
+    for name, low in _INTS.items():
+        value = getattr(cfg, name)
+        if not (value is None and name in ("limit", "cpus_per_replica")) and not (_is_int(value) and value >= low):
+            bad(name, value, f"an integer >= {low}")
+    for name in ("argmax", "dry_run", "progress"):
+        if not isinstance(getattr(cfg, name), bool):
+            bad(name, getattr(cfg, name), "true or false")
+    if cfg.layers is not None and not all(_is_int(k) for k in cfg.layers):
+        bad("layers", cfg.layers, "a list of integers")
+    for name in ("sources", "exclude_sources"):
+        if not all(isinstance(x, str) for x in getattr(cfg, name)):
+            bad(name, getattr(cfg, name), "a list of source names")
+    if not all(_is_int(n) and n >= 0 for _, n in cfg.source_caps):
+        bad("source_caps", cfg.source_caps, "SOURCE=N with N >= 0")
+
 
 _FILTER_FIELDS = {f.name for f in dataclasses.fields(FilterConfig)}
 _RUN_FIELDS = {f.name for f in dataclasses.fields(RunConfig)}

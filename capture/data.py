@@ -116,7 +116,7 @@ def resolve_dataset(spec: str, split: str = "train") -> DatasetRef:
     if spec == SHAREGPT_ALIAS:
         return _resolve_sharegpt(split)
     path = Path(spec).expanduser()
-    looks_like_path = spec.startswith((".", "/", "~")) or path.suffix.lower() in _BUILDERS
+    looks_like_path = spec.startswith((".", "/", "~")) or path.suffix.lower() in _BUILDERS or path.exists()
     if looks_like_path:
         if not path.exists():
             raise CaptureError(f"dataset file not found: {spec}")
@@ -159,6 +159,7 @@ def iter_conversations(
     * ``malformed_turn``: the column is not a list, or a turn is not a dict;
     * ``unknown_role``: a role outside the table in the module docstring (or missing);
     * ``non_string_content``: a turn's content is not a string (null, number, list of parts);
+    * ``invalid_text``: content that is not valid Unicode text (a lone surrogate escape such as ``\\ud800``);
     * ``empty_conversation``: no turn with non-whitespace content;
     * ``system_not_first``: a system turn anywhere but first (never repaired);
     * ``no_assistant_turn``: no assistant turn that answers a user turn.
@@ -282,11 +283,23 @@ def _iter_json_lines(ref: DatasetRef) -> Iterator[Any]:
 
 
 def _iter_json_array(ref: DatasetRef, stats: ReadStats) -> Iterator[Any]:
-    """Items of a top-level JSON array, parsed incrementally with ijson; stops cleanly at a parse error."""
+    """Items of a top-level JSON array, parsed incrementally with ijson (a UTF-8 BOM is skipped).
+
+    An input that ends mid-record (the embedded ShareGPT file does) stops cleanly with
+    ``stats.truncated`` set and a warning. Any other parse error, or a file that is not a top-level
+    array, raises CaptureError with the byte offset: a damaged file is not silently cut short.
+    """
     import ijson
 
     count = 0
     with _open(ref) as f:
+        head = f.read(3)
+        f.seek(3 if head == b"\xef\xbb\xbf" else 0)
+        start = f.read(64).lstrip()[:1]
+        f.seek(3 if head == b"\xef\xbb\xbf" else 0)
+        if start != b"[":
+            raise CaptureError(f"{ref.path}: not a top-level JSON array; a file of one JSON object per line "
+                               "must be named .jsonl")
         items = ijson.items(f, "item")
         while True:
             try:
@@ -294,8 +307,11 @@ def _iter_json_array(ref: DatasetRef, stats: ReadStats) -> Iterator[Any]:
             except StopIteration:
                 return
             except ijson.JSONError as e:
-                # ijson reads in buffers, so the offset is where reading stopped (the file size at EOF)
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                if not any(m in reason for m in ("premature EOF", "Incomplete JSON content")):  # yajl / python
+                    raise CaptureError(f"{ref.path}: invalid JSON after {count} records (near byte {f.tell()}): "
+                                       f"{reason}") from None
+                # ijson reads in buffers, so the offset is where reading stopped (the file size at EOF)
                 stats.truncated = (
                     f"{ref.path}: input ends mid-record after {count} complete records "
                     f"(byte offset {f.tell()}, ijson: {reason}); stopping there"
@@ -325,6 +341,8 @@ def _normalize(row: Any, alternation: Alternation) -> tuple[tuple[tuple[Role, st
         content = _first_present(turn, "value", "content")
         if not isinstance(content, str):
             return None, ["non_string_content"]
+        if not _is_utf8(content):
+            return None, ["invalid_text"]
         parsed.append((role, content))
 
     fixes: list[str] = []
@@ -379,6 +397,15 @@ def _column(row: Any) -> list | str:
         if value is not None:
             return value if isinstance(value, list) else "malformed_turn"
     return "no_conversation_column"
+
+
+def _is_utf8(text: str) -> bool:
+    """False for text no tokenizer can take, e.g. a lone surrogate ``"\\ud800"`` that JSON can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _first_present(turn: dict, *keys: str) -> Any:

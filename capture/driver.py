@@ -34,7 +34,6 @@ from shards import manifest as manifest_mod
 
 log = logging.getLogger(__name__)
 
-LOCK = ".capture.lock"  # held by the driver for the whole run: one writer per run folder
 
 
 @dataclasses.dataclass
@@ -161,6 +160,7 @@ def plan(cfg: RunConfig) -> Summary:
     m = manifest_mod.read(cfg.out)
     if m.header is not None and (diff := manifest_mod.identity_diff(m.header, prep.header)):
         raise CaptureError(f"{cfg.out} holds a run with a different {', '.join(diff)}; use another --out")
+    manifest_mod.check_dataset(m, dataclasses.asdict(prep.dataset))
     summary = Summary(out=cfg.out)
     seen = m.token_hashes() if cfg.filters.dedup else set()
     tokens = sum(r.num_tokens for r in _records(cfg, prep, summary, m.sample_ids(), seen))
@@ -191,15 +191,19 @@ def run(cfg: RunConfig) -> Summary:
     started = time.time()
     prep = prepare(cfg)
     out = Path(cfg.out)
-    if out.is_dir() and not (out / manifest_mod.MANIFEST).exists() and any(p.name != LOCK for p in out.iterdir()):
+    if out.is_dir() and not (out / manifest_mod.MANIFEST).exists() and any(p.name != manifest_mod.LOCK for p in out.iterdir()):
         raise CaptureError(f"{cfg.out} is not empty and holds no capture run ({manifest_mod.MANIFEST}); "
                            "give a new or empty folder")
-    out.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(Path(cfg.out) / LOCK)
+    if out.exists() and not out.is_dir():
+        raise CaptureError(f"--out {cfg.out} exists and is not a folder")
     try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(out / manifest_mod.LOCK)
         lock.acquire(timeout=0)
     except Timeout:
-        raise CaptureError(f"another capture is writing to {cfg.out} (it holds {LOCK}); wait for it or use another --out") from None
+        raise CaptureError(f"another capture is writing to {cfg.out} (it holds {manifest_mod.LOCK}); wait for it or use another --out") from None
+    except OSError as e:
+        raise CaptureError(f"cannot write to --out {cfg.out}: {e.strerror}") from None
     try:
         return _run_locked(cfg, prep, started)
     finally:
@@ -210,7 +214,11 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
     import ray
     from ray.util import ActorPool
 
-    writer, manifest = manifest_mod.ManifestWriter.open(cfg.out, prep.header)
+    try:
+        writer, manifest = manifest_mod.ManifestWriter.open(cfg.out, prep.header)
+        writer.dataset(manifest, dataclasses.asdict(prep.dataset))
+    except OSError as e:
+        raise CaptureError(f"cannot write the manifest in {cfg.out}: {e.strerror}") from None
     garbage = manifest_mod.garbage(cfg.out, manifest)
     if garbage:
         log.warning("%s: %d uncommitted file(s) from an interrupted run are ignored; `capture shards gc %s` removes them",
@@ -225,7 +233,13 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
     if we_started_ray:
         ray.init(address=cfg.ray_address, num_cpus=None if cfg.ray_address else os.cpu_count(),
                  include_dashboard=False, logging_level=logging.ERROR, log_to_driver=True)
-    cpus = cfg.cpus_per_replica or max(1, int(ray.available_resources().get("CPU", 1)) // cfg.replicas)
+    total_cpus = int(ray.cluster_resources().get("CPU", 0))
+    cpus = cfg.cpus_per_replica or max(1, total_cpus // cfg.replicas)
+    if cpus * cfg.replicas > total_cpus:
+        if we_started_ray:
+            ray.shutdown()
+        raise CaptureError(f"{cfg.replicas} replica(s) x {cpus} CPU(s) do not fit the {total_cpus} CPU(s) Ray has; "
+                           "lower --replicas or --cpus-per-replica")
     actor_cls = ray.remote(num_cpus=cpus)(_replica_class())
     actors = [actor_cls.remote(prep.model_dir, prep.taps, prep.header,
                                str(Path(cfg.out).resolve()), shard_size=cfg.shard_size,

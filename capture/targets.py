@@ -135,7 +135,7 @@ def parse_layers(text: str | None) -> tuple[int, ...] | None:
     else:
         items = [p for p in str(text).split(",") if p.strip()]
     try:
-        return tuple(int(p) for p in items)
+        return tuple(int(str(p).strip()) for p in items)  # str(): 3.7 and None are refused, not truncated
     except ValueError:
         raise CaptureError(f"--layers must be comma-separated integers, got {text!r}") from None
 

@@ -35,6 +35,18 @@ class FilterConfig:
     overlength: Literal["drop", "truncate"] = "drop"
     dedup: bool = False
 
+    def __post_init__(self) -> None:
+        from capture.errors import CaptureError
+
+        for name in ("min_tokens", "max_tokens", "min_loss_tokens"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+                raise CaptureError(f"{name.replace('_', '-')}: {v!r} is not an integer >= 0")
+        if self.overlength not in ("drop", "truncate"):
+            raise CaptureError(f"overlength: {self.overlength!r} is not one of drop, truncate")
+        if not isinstance(self.dedup, bool):
+            raise CaptureError(f"dedup: {self.dedup!r} is not true or false")
+
 
 def apply_filters(
     rec: Tokenized, cfg: FilterConfig, seen: set[str], context_len: int | None = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -19,7 +20,16 @@ from capture.errors import CaptureError
 from shards.format import RUN_IDENTITY, check_version
 from shards.writer import ShardInfo
 
+log = logging.getLogger(__name__)
+
 MANIFEST = "manifest.jsonl"
+LOCK = ".capture.lock"  # held by the one process writing a run folder (capture run, recode)
+REQUIRED = {  # keys each kind of line must have
+    "header": ("format_version", "columns", "hidden_size", "codec"),
+    "shard": ("path", "rows", "tokens", "loss_tokens", "bytes", "sha256", "sample_ids", "token_sha256"),
+    "dataset": ("name", "path", "revision"),
+    "complete": (),
+}
 
 
 @dataclasses.dataclass
@@ -31,6 +41,7 @@ class Manifest:
     completions: list[dict]
     committed_bytes: int
     last_kind: str | None = None
+    datasets: list[dict] = dataclasses.field(default_factory=list)  # every dataset the run has read
 
     @property
     def complete(self) -> bool:
@@ -55,27 +66,55 @@ def read(run_dir: str | os.PathLike) -> Manifest:
         return Manifest(None, [], [], 0)
     data = path.read_bytes()
     end = data.rfind(b"\n") + 1  # everything after the last newline is a torn, uncommitted line
-    header, shards, completions = None, [], []
+    header, shards, completions, datasets = None, [], [], []
     kind = None
     for i, line in enumerate(data[:end].splitlines()):
         try:
             entry = json.loads(line)
         except json.JSONDecodeError:
             raise CaptureError(f"{path}: line {i + 1} is not valid JSON; the manifest is damaged") from None
-        kind = entry.get("kind")
+        kind = entry.get("kind") if isinstance(entry, dict) else None
+        missing = [k for k in REQUIRED.get(kind, ("kind",)) if not isinstance(entry, dict) or k not in entry]
+        if missing:
+            raise CaptureError(f"{path}: line {i + 1} lacks {', '.join(missing)}; the manifest is damaged")
         if kind == "header":
             check_version(entry["format_version"])
             header = entry
         elif kind == "shard":
             shards.append(entry)
+        elif kind == "dataset":
+            datasets.append(entry)
         elif kind == "complete":
             completions.append(entry)
-    return Manifest(header, shards, completions, end, kind)
+    return Manifest(header, shards, completions, end, kind, datasets)
 
 
 def identity_diff(old: dict, new: dict) -> list[str]:
     """Fields of RUN_IDENTITY on which two run headers disagree."""
     return [k for k in RUN_IDENTITY if old.get(k) != new.get(k)]
+
+
+def check_dataset(manifest: Manifest, ref: dict) -> bool:
+    """Whether ``ref`` (a dataset: name, path, revision, ...) is new to the run.
+
+    Sample ids are ``<name>:<row>``, so one name must always mean one file: another path under a name the
+    run already read raises CaptureError; the same file with other content (a grown dataset) is allowed
+    with a warning (committed rows are not re-read).
+    """
+    new = True
+    for seen in (d for d in manifest.datasets if d["name"] == ref["name"]):
+        if seen["path"] != ref["path"]:
+            raise CaptureError(
+                f"this run read dataset {ref['name']!r} from {seen['path']}; {ref['path']} has the same name, so "
+                "its sample ids would collide with the committed ones; use another --out"
+            )
+        if seen["revision"] == ref["revision"]:
+            new = False
+        else:
+            log.warning("dataset %s changed since this run read it (revision %s → %s): committed rows are not "
+                        "re-read; if rows were edited rather than appended, use another --out",
+                        ref["name"], seen["revision"][:12], ref["revision"][:12])
+    return new
 
 
 class ManifestWriter:
@@ -115,6 +154,11 @@ class ManifestWriter:
     def complete(self, record: dict) -> None:
         self._append({"kind": "complete", **record})
 
+    def dataset(self, manifest: Manifest, ref: dict) -> None:
+        """Record the dataset a run reads, once (see :func:`check_dataset`)."""
+        if check_dataset(manifest, ref):
+            self._append({"kind": "dataset", **ref})
+
     def _append(self, entry: dict) -> None:
         with open(self.path, "ab") as f:
             f.write(json.dumps(entry, sort_keys=True).encode() + b"\n")
@@ -129,11 +173,35 @@ def _short(value) -> str:
 
 def garbage(run_dir: str | os.PathLike, manifest: Manifest | None = None) -> list[Path]:
     """Shard files in ``run_dir`` that no manifest line names: temporary files of an interrupted write
-    and shards closed but never committed. They are not part of the run; ``capture shards gc`` removes them."""
+    and shards closed but never committed. They are not part of the run; ``capture shards gc`` removes
+    them. Only names the shard writer makes count (``shard-*.arrow``, ``.tmp-shard-*.arrow``)."""
     from shards.writer import TMP_PREFIX
 
     run_dir = Path(run_dir)
     manifest = manifest or read(run_dir)
     named = {s["path"] for s in manifest.shards}
-    return sorted(p for p in run_dir.iterdir()
-                  if p.name not in named and (p.name.startswith(TMP_PREFIX) or p.suffix == ".arrow"))
+    return sorted(p for p in run_dir.iterdir() if p.name not in named and p.suffix == ".arrow"
+                  and p.name.removeprefix(TMP_PREFIX).startswith("shard-"))
+
+
+def gc(run_dir: str | os.PathLike, dry_run: bool = False) -> list[Path]:
+    """Remove :func:`garbage` files. Refuses (CaptureError) a folder without a run header, and a run
+    that a capture is writing right now (its lock is held): its closed shards await their commit."""
+    from filelock import FileLock, Timeout
+
+    run_dir = Path(run_dir)
+    if read(run_dir).header is None:
+        raise CaptureError(f"{run_dir} holds no capture run ({MANIFEST} with a header); nothing removed")
+    lock = FileLock(run_dir / LOCK)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise CaptureError(f"a capture is writing to {run_dir} right now; run gc after it ends") from None
+    try:
+        files = garbage(run_dir)
+        if not dry_run:
+            for path in files:
+                path.unlink()
+        return files
+    finally:
+        lock.release()

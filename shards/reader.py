@@ -25,6 +25,13 @@ def read_table(path: str | os.PathLike, columns: list[str] | None = None) -> pa.
     """All record batches of one shard, or only ``columns`` (the others are not read into memory);
     ``num_tokens`` comes along with any state column. Raises FormatError for an unknown format version
     or an unknown column."""
+    try:
+        return _read_table(path, columns)
+    except (OSError, pa.ArrowInvalid) as e:
+        raise FormatError(f"cannot read shard {path}: {e}; `capture shards verify` checks the whole run") from None
+
+
+def _read_table(path, columns):
     with pa.memory_map(str(path)) as source:
         schema = pa.ipc.open_stream(source).schema
         read_header(schema)

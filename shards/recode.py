@@ -41,7 +41,7 @@ def recode(src: str | os.PathLike, dst: str | os.PathLike, codec: str, *, shard_
         log.warning("%s is %s (lossy): %s stores those lossy values, it does not restore the originals",
                     src, m.header["codec"], codec)
     Path(dst).mkdir(parents=True, exist_ok=True)
-    lock = FileLock(Path(dst) / ".capture.lock")
+    lock = FileLock(Path(dst) / manifest_mod.LOCK)
     try:
         lock.acquire(timeout=0)
     except Timeout:

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import zstandard
 
+from capture.errors import CaptureError
 from capture.hashing import sha256_file, token_sha256
 from shards import manifest as manifest_mod
 from shards.format import STATE_TYPE, FormatError, read_header
@@ -43,7 +44,11 @@ def verify(run_dir: str | os.PathLike) -> Report:
     """Check the run in ``run_dir``; problems are listed, never raised (a missing manifest is one)."""
     run_dir = Path(run_dir)
     report = Report()
-    m = manifest_mod.read(run_dir)
+    try:
+        m = manifest_mod.read(run_dir)
+    except CaptureError as e:  # a damaged manifest is a finding, like a damaged shard
+        report.problems.append(str(e))
+        return report
     if m.header is None:
         report.problems.append(f"{run_dir}: no manifest with a header ({manifest_mod.MANIFEST})")
         return report

@@ -120,3 +120,46 @@ def test_second_writer_on_the_same_run_is_refused(tmp_path):
     with FileLock(out / ".capture.lock"):
         result = capture_inproc("run", "--out", str(out), "--limit", "2", *SMALL)
     assert result.exit_code == 2 and "another capture is writing" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "yaml_line, message",
+    [
+        ('limit: "ten"', "limit: 'ten' is not an integer >= 0"),
+        ("limit: 2.5", "limit: 2.5 is not an integer >= 0"),
+        ("replicas: 0", "replicas: 0 is not an integer >= 1"),
+        ("codec: fp8", "codec: 'fp8' is not one of"),
+        ("layers: [3.7, 15]", "--layers must be comma-separated integers"),
+        ('dedup: "no"', "dedup: 'no' is not true or false"),
+        ("shard_size: -5", "shard-size: -5 is not an integer >= 1"),
+        ("special_text: bogus", "special-text: 'bogus' is not one of drop, keep"),
+    ],
+)
+def test_config_values_of_the_wrong_type(tmp_path, yaml_line, message):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml_line + "\n")
+    result = capture_inproc("run", "--config", str(cfg), "--out", str(tmp_path / "run"))
+    assert result.exit_code == 2 and message in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_out_that_is_a_file_and_too_many_replicas(tmp_path):
+    afile = tmp_path / "afile.txt"
+    afile.write_text("x")
+    result = capture_inproc("run", "--out", str(afile), "--limit", "2", *SMALL)
+    assert result.exit_code == 2 and "exists and is not a folder" in result.stderr
+    result = capture_inproc("run", "--out", str(tmp_path / "r"), "--limit", "2", "--replicas", "5", *SMALL)
+    assert result.exit_code == 2 and "5 replica(s)" in result.stderr and "do not fit" in result.stderr
+
+
+def test_another_file_with_a_dataset_name_already_read_is_refused(tmp_path):
+    rows = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]} for i in range(3)]
+    for d, shift in (("v1", 0), ("v2", 10)):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[shift:] + rows[:shift]))
+    (tmp_path / "v2" / "train.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
+    out = tmp_path / "run"
+    capture_cli("run", "--out", str(out), "--dataset", str(tmp_path / "v1" / "train.jsonl"), *SMALL, check=True)
+    result = capture_inproc("run", "--out", str(out), "--dataset", str(tmp_path / "v2" / "train.jsonl"), *SMALL)
+    assert result.exit_code == 2 and "has the same name" in result.stderr
+    assert [d["path"] for d in manifest.read(out).datasets] == [str(tmp_path / "v1" / "train.jsonl")]

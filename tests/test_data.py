@@ -487,3 +487,34 @@ def test_local_load_failure_is_a_capture_error(tmp_path):
     path.unlink()
     with pytest.raises(CaptureError, match=r"could not load dataset gone\.jsonl"):
         read(ref)
+
+
+def test_lone_surrogate_is_a_counted_skip(tmp_path):
+    path = tmp_path / "sur.jsonl"
+    path.write_text('{"conversations":[{"from":"human","value":"x\\ud800"},{"from":"gpt","value":"b"}]}\n'
+                    + json.dumps({"conversations": turns(("human", "ok"), ("gpt", "fine"))}) + "\n")
+    convs, stats = read(resolve_dataset(str(path)))
+    assert stats.skipped == {"invalid_text": 1} and [c.row_index for c in convs] == [1]
+
+
+def test_local_json_array_errors_are_not_taken_for_truncation(tmp_path):
+    good = json.dumps({"conversations": turns(("human", "a"), ("gpt", "b"))})
+    (tmp_path / "mid.json").write_text(f"[{good}, {{oops}}, {good}]")
+    with pytest.raises(CaptureError, match=r"invalid JSON after 1 records"):
+        read(resolve_dataset(str(tmp_path / "mid.json")))
+    (tmp_path / "obj.json").write_text('{"data": [1]}')
+    with pytest.raises(CaptureError, match="not a top-level JSON array"):
+        read(resolve_dataset(str(tmp_path / "obj.json")))
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf[" + good.encode() + b"]")
+    convs, stats = read(resolve_dataset(str(tmp_path / "bom.json")))
+    assert len(convs) == 1 and stats.truncated is None
+    (tmp_path / "cut.json").write_text(f"[{good}, {good[:20]}")
+    convs, stats = read(resolve_dataset(str(tmp_path / "cut.json")))
+    assert len(convs) == 1 and "ends mid-record after 1 complete records" in stats.truncated
+
+
+def test_a_relative_folder_is_not_a_hub_id(tmp_path, monkeypatch):
+    (tmp_path / "data" / "sub").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CaptureError, match="not a file"):
+        resolve_dataset("data/sub")

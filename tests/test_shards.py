@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from conftest import small_disk
+from shards.manifest import garbage as garbage_of
 import torch
 from click.testing import CliRunner
 
@@ -526,12 +527,12 @@ def test_gc_removes_exactly_garbage(run_with_garbage):
     dry = invoke("shards", "gc", "--dry-run", str(run))
     assert dry.exit_code == 0
     assert sorted(dry.output.splitlines()) == sorted(f"would remove {g}" for g in garbage)
-    assert sorted(p.name for p in run.iterdir()) == before
+    assert sorted(p.name for p in run.iterdir() if p.name != ".capture.lock") == before
 
     res = invoke("shards", "gc", str(run))
     assert res.exit_code == 0, res.output
     assert sorted(res.output.splitlines()) == sorted(f"removed {g}" for g in garbage)
-    after = sorted(p.name for p in run.iterdir())
+    after = sorted(p.name for p in run.iterdir() if p.name != ".capture.lock")
     assert after == sorted([MANIFEST] + [i.path for i in infos])
     assert (run / MANIFEST).read_bytes() == manifest_bytes
     report = verify(run)
@@ -539,6 +540,33 @@ def test_gc_removes_exactly_garbage(run_with_garbage):
 
     again = invoke("shards", "gc", str(run))
     assert again.exit_code == 0 and again.output == ""
+
+
+def test_gc_refuses_a_live_run_and_a_folder_without_a_run(run_with_garbage, tmp_path):
+    from filelock import FileLock
+
+    run, _, garbage = run_with_garbage
+    with FileLock(run / ".capture.lock"):  # a capture is writing: its closed shards await their commit
+        res = invoke("shards", "gc", str(run))
+    assert res.exit_code == 2 and "writing to" in res.stderr
+    assert all((run / g).exists() for g in garbage)
+    mine = tmp_path / "mydata"
+    mine.mkdir()
+    (mine / "msgs.arrow").write_bytes(b"user data")
+    (mine / "shard-x.arrow").write_bytes(b"user data")
+    res = invoke("shards", "gc", str(mine))
+    assert res.exit_code == 2 and "holds no capture run" in res.stderr
+    assert sorted(p.name for p in mine.iterdir()) == ["msgs.arrow", "shard-x.arrow"]
+    (run / "notes.arrow").write_bytes(b"not a shard name")
+    assert "notes.arrow" not in [p.name for p in garbage_of(run)]
+
+
+def test_verify_reports_a_damaged_manifest(good_run):
+    run, _, _ = good_run
+    lines = (run / MANIFEST).read_text().splitlines()
+    (run / MANIFEST).write_text("\n".join([lines[0], "[1, 2]", *lines[1:]]) + "\n")
+    res = invoke("shards", "verify", str(run))
+    assert res.exit_code == 1 and "line 2 lacks kind" in res.output
 
 
 # --------------------------------------------------------------------------------------------------
