@@ -27,7 +27,7 @@ LOCK = ".capture.lock"  # held by the one process writing a run folder (capture 
 REQUIRED = {  # keys each kind of line must have
     "header": ("format_version", "columns", "hidden_size", "codec"),
     "shard": ("path", "rows", "tokens", "loss_tokens", "bytes", "sha256", "sample_ids", "token_sha256"),
-    "dataset": ("name", "path", "revision"),
+    "dataset": ("dataset",),
     "complete": (),
 }
 
@@ -83,7 +83,7 @@ def read(run_dir: str | os.PathLike) -> Manifest:
         elif kind == "shard":
             shards.append(entry)
         elif kind == "dataset":
-            datasets.append(entry)
+            datasets.append(entry["dataset"])
         elif kind == "complete":
             completions.append(entry)
     return Manifest(header, shards, completions, end, kind, datasets)
@@ -157,7 +157,7 @@ class ManifestWriter:
     def dataset(self, manifest: Manifest, ref: dict) -> None:
         """Record the dataset a run reads, once (see :func:`check_dataset`)."""
         if check_dataset(manifest, ref):
-            self._append({"kind": "dataset", **ref})
+            self._append({"kind": "dataset", "dataset": ref})
 
     def _append(self, entry: dict) -> None:
         with open(self.path, "ab") as f:
