@@ -80,6 +80,9 @@ class Replica:
         self._queue: queue.Queue = queue.Queue(maxsize=2)
         self._closed: queue.SimpleQueue[ShardInfo] = queue.SimpleQueue()  # writer thread → caller
         self._error: BaseException | None = None
+        self._start_writer()
+
+    def _start_writer(self) -> None:
         self._thread = threading.Thread(target=self._write_loop, name="shard-writer", daemon=True)
         self._thread.start()
 
@@ -126,4 +129,6 @@ class Replica:
         """Wait for the writer, close the open shard; returns the shards not yet handed to the driver."""
         self._queue.put(None)
         self._thread.join()
-        return self._collect() + self.writer.close()
+        closed = self._collect() + self.writer.close()
+        self._start_writer()  # the replica stays usable (a later unit starts a new shard)
+        return closed

@@ -18,7 +18,8 @@ Why split bytes: a bf16 value's high byte (sign + 7 exponent bits) has ~2.7 bits
 channel, its low byte (1 exponent bit + 7 mantissa bits) ~7.9; interleaved, zstd sees noise. Why one
 FP8 scale per token: hidden states carry outliers of |h| ~ 25,000 in a few channels, which a per-tensor
 scale would crush (FIELD-NOTES "Compression"). Storing the high bytes channel-major (``[H, T]``) was
-measured too: 0.2% smaller, 20% slower to encode, so token-major it is (bench/codecs.out).
+measured too: 0.1% smaller and as fast to encode, but ~25% slower to decode (the transpose), and a
+trainer decodes every epoch: token-major it is (bench/codecs.out).
 """
 
 from __future__ import annotations

@@ -80,3 +80,32 @@ def test_pre_norm_final_and_early_stop(smol_dir, records, reference):
     early = HFEngine(str(smol_dir), make_taps(SMOL, (3, 15), "none"), argmax=False)
     assert early._stop_after == 15
     assert torch.equal(early.forward([records[1]])[0].states["tap_15"], hs[16][0])
+
+
+def test_replica_writes_every_row_once_across_units_and_finishes(smol_dir, records, tmp_path):
+    """The writer thread: rows of several units, closed shards handed back once each, usable after finish."""
+    from capture.chat import Tokenized
+    from capture.hashing import token_sha256
+    from capture.replica import Replica
+    from shards import format as shard_format
+    from shards.reader import read_table
+
+    taps = make_taps(SMOL, (3,), "none")
+    header = shard_format.header(target={"name": "smol"}, taps=taps.describe(), columns=list(taps.columns),
+                                 hidden_size=576, dtype="bfloat16", codec="bf16-split", argmax=True,
+                                 chat_template="", chat_template_sha256="", tokenizer_sha256="")
+    replica = Replica(str(smol_dir), taps, header, str(tmp_path), shard_size=1, batch_tokens=256)
+    recs = [Tokenized(f"d:{i}", i, "s", ids, np.ones(len(ids), dtype=bool)) for i, ids in enumerate(records)]
+    infos = []
+    for unit in (recs[:2], recs[2:]):
+        result = replica.process(unit)
+        assert result.rows == len(unit) and not result.rejected
+        infos += result.shards
+    infos += replica.finish()
+    infos += replica.process(recs[:1]).shards + replica.finish()  # still usable after finish
+    ids = [s for info in infos for s in info.sample_ids]
+    assert sorted(ids) == ["d:0", "d:0", "d:1", "d:2"]
+    assert len({info.path for info in infos}) == len(infos)
+    for info in infos:
+        table = read_table(tmp_path / info.path)
+        assert table["token_sha256"].to_pylist() == [token_sha256(recs[int(s[2:])].input_ids) for s in info.sample_ids]
