@@ -1,8 +1,10 @@
 """Capture throughput against the same engine's plain forward, and bytes per token.
 
 Same tokens, same batches, same model: real ShareGPT conversations through SmolLM2's chat template.
-  plain   : HF forward through every layer and the LM head (what computing argmax needs), nothing kept
-  capture : Replica.process — hooks on the taps, argmax, validation, zstd Arrow shard writes (fsync'd)
+  plain   : the standard HF forward (model(...).logits.argmax(-1)): every layer and the LM head, as
+            computing argmax needs, nothing kept; it materializes [B, T, vocab] logits, padding included
+  capture : Replica.process + finish — hooks on the taps, argmax in 1,024-token chunks over real tokens
+            only, validation, the writer thread encoding cells (--codec) and writing fsync'd shards
 Runs are interleaved (plain, capture, plain, capture, ...) and the median of 3 is reported.
 
     python bench/capture_overhead.py [--rows 40] [--max-tokens 1024] [--layers 3,15,27] [--repeats 3]
@@ -27,6 +29,7 @@ def main() -> None:
     ap.add_argument("--layers", default="3,15,27")
     ap.add_argument("--batch-tokens", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--codec", default="bf16-split")
     args = ap.parse_args()
 
     from capture.chat import load_encoder, tokenizer_sha256
@@ -51,7 +54,7 @@ def main() -> None:
     tokens = sum(r.num_tokens for r in recs)
     header = shard_format.header(
         target={"name": target.name}, taps=taps.describe(), columns=list(taps.columns),
-        hidden_size=target.hidden_size, dtype="bfloat16", codec="bf16", argmax=True,
+        hidden_size=target.hidden_size, dtype="bfloat16", codec=args.codec, argmax=True,
         chat_template=enc.template, chat_template_sha256=enc.template_sha256,
         tokenizer_sha256=tokenizer_sha256(enc.tokenizer))
     threads = torch.get_num_threads()
@@ -87,7 +90,8 @@ def main() -> None:
     raw_state = tokens * len(taps.columns) * target.hidden_size * 2
     p, c = statistics.median(times["plain"]), statistics.median(times["capture"])
     print(f"SmolLM2-135M bf16 on {threads} CPU threads; {len(recs)} ShareGPT conversations, {tokens:,} tokens "
-          f"(≤{args.max_tokens} each), taps {args.layers}, argmax on, batch {args.batch_tokens} padded tokens")
+          f"(≤{args.max_tokens} each), taps {args.layers}, argmax on, batch {args.batch_tokens} padded tokens, "
+          f"codec {args.codec}")
     print()
     print("| path | median s | tokens/s | runs (s) |")
     print("|---|---|---|---|")
