@@ -35,7 +35,7 @@ E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 # stored bytes / raw bf16 bytes, measured on real SmolLM2 states of ShareGPT (bench/codecs.out); used
 # for disk estimates (`capture run --dry-run`)
 RATIO = {"bf16": 0.78, "bf16-split": 0.69, "fp8-e4m3": 0.43}
-ZSTD_LEVEL = 1  # level 1 beats level 3 on these planes and runs ~2.5x faster (bench/codecs.out)
+ZSTD_LEVEL = 1  # measured on 30k tokens of these planes: level 1 keeps 0.683x, level 3 0.704x, and is ~2x faster
 
 
 def check(codec: str) -> str:
