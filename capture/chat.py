@@ -14,6 +14,7 @@ end-of-turn token, raises :class:`CaptureError` naming the row: nothing is silen
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal, Sequence
 
 import numpy as np
@@ -43,8 +44,9 @@ class Tokenized:
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
-    @property
+    @functools.cached_property
     def token_sha256(self) -> str:
+        """Computed once per record (dedup and the shard writer both need it)."""
         return token_sha256(self.input_ids)
 
 
