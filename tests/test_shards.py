@@ -396,34 +396,30 @@ def test_verify_missing(good_run):
     assert report.shards == 3
 
 
-def test_verify_manifest_rows_edited(good_run):
+def _add_row(e):
+    e["rows"] += 1
+
+
+def _rename_sample(e):
+    e["sample_ids"][1] = "d:999"
+
+
+def _add_tokens(e):
+    e["tokens"] += 5
+
+
+@pytest.mark.parametrize("shard, edit, expected", [
+    (1, _add_row, lambda info: "3 rows != manifest 4"),
+    (2, _rename_sample, lambda info: "sample ids differ"),
+    (0, _add_tokens, lambda info: f"!= manifest {info.tokens + 5}/{info.loss_tokens}"),
+])
+def test_verify_manifest_line_edited(good_run, shard, edit, expected):
     run, infos, _ = good_run
     lines = manifest_lines(run)
-    entry = next(e for e in lines if e.get("path") == infos[1].path)
-    entry["rows"] += 1
+    edit(next(e for e in lines if e.get("path") == infos[shard].path))
     rewrite_manifest(run, lines)
-    text = _only_problem_for(verify(run), infos[1].path)
-    assert "3 rows != manifest 4" in text
-
-
-def test_verify_manifest_sample_ids_edited(good_run):
-    run, infos, _ = good_run
-    lines = manifest_lines(run)
-    entry = next(e for e in lines if e.get("path") == infos[2].path)
-    entry["sample_ids"][1] = "d:999"
-    rewrite_manifest(run, lines)
-    text = _only_problem_for(verify(run), infos[2].path)
-    assert "sample ids differ" in text
-
-
-def test_verify_manifest_tokens_edited(good_run):
-    run, infos, _ = good_run
-    lines = manifest_lines(run)
-    entry = next(e for e in lines if e.get("path") == infos[0].path)
-    entry["tokens"] += 5
-    rewrite_manifest(run, lines)
-    text = _only_problem_for(verify(run), infos[0].path)
-    assert f"!= manifest {infos[0].tokens + 5}/{infos[0].loss_tokens}" in text
+    text = _only_problem_for(verify(run), infos[shard].path)
+    assert expected(infos[shard]) in text
 
 
 def test_verify_duplicate_sample_id_across_shards(good_run):
