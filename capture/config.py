@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -52,6 +53,13 @@ class RunConfig:
     chat_template: str | None = None  # file path overriding the tokenizer's template
     system_prompt: str | None = None
     special_text: Literal["drop", "keep"] = "drop"
+    chat_template_kwargs: tuple[tuple[str, Any], ...] = ()  # template variables, e.g. (("enable_thinking", False),)
+    responses: Literal["dataset", "regenerate"] = "dataset"  # regenerate: the target writes the answers
+    regenerate_policy: Literal["last", "every"] = "last"  # which assistant turns are regenerated
+    temperature: float = 0.0  # regenerate sampling; 0 = greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 512  # per regenerated turn
+    seed: int = 0
     filters: FilterConfig = FilterConfig()
     codec: str = "bf16-split"  # see shards.codecs; lossless, 0.69x of raw bf16
     codec_threads: int = 2  # encoder threads per replica (they overlap the engine's forward)
@@ -61,7 +69,12 @@ class RunConfig:
     replicas: int = 1
     cpus_per_replica: int | None = None  # None: all CPUs Ray sees, split over replicas
     ray_address: str | None = None  # None: start a local Ray instance
-    engine: str = "hf"
+    engine: str = "hf"  # hf | vllm | auto (vllm when installed and a GPU is visible)
+    vllm_path: str = "auto"  # extract | hooks | auto (hooks for MLA targets); see capture.engines.vllm
+    tp: int = 1  # vLLM tensor-parallel size (GPUs per replica)
+    max_model_len: int | None = None  # vLLM context length (None: the model's)
+    gpu_memory_utilization: float | None = None  # vLLM (None: vLLM's default)
+    vllm_args: tuple[tuple[str, Any], ...] = ()  # further vllm.LLM engine arguments, (key, value) pairs
     disk_reserve: int = 64 * 2**20  # bytes kept free on the output disk beyond the next unit's estimate
     dry_run: bool = False
     progress: bool = True
@@ -74,12 +87,15 @@ _CHOICES = {
     "final": (None, "none", "post-norm", "pre-norm"),
     "alternation": ("normalize", "skip"),
     "special_text": ("drop", "keep"),
+    "responses": ("dataset", "regenerate"),
+    "regenerate_policy": ("last", "every"),
     "codec": ("bf16", "bf16-split", "fp8-e4m3"),
-    "engine": ("hf",),
+    "engine": ("auto", "hf", "vllm"),
+    "vllm_path": ("auto", "extract", "hooks"),
 }
 _INTS = {  # field: smallest allowed value (None allowed where the default is None)
     "limit": 0, "shard_size": 1, "batch_tokens": 1, "unit_tokens": 1, "replicas": 1, "cpus_per_replica": 1,
-    "codec_threads": 1, "disk_reserve": 0,
+    "codec_threads": 1, "disk_reserve": 0, "max_new_tokens": 1, "seed": 0, "tp": 1, "max_model_len": 1,
 }
 
 
@@ -99,11 +115,14 @@ def _validate(cfg: "RunConfig") -> None:
             bad(name, getattr(cfg, name), "one of " + ", ".join(c for c in choices if c))
     for name, low in _INTS.items():
         value = getattr(cfg, name)
-        if not (value is None and name in ("limit", "cpus_per_replica")) and not (_is_int(value) and value >= low):
+        if not (value is None and name in ("limit", "cpus_per_replica", "max_model_len")) and not (_is_int(value) and value >= low):
             bad(name, value, f"an integer >= {low}")
     for name in ("argmax", "dry_run", "progress"):
         if not isinstance(getattr(cfg, name), bool):
             bad(name, getattr(cfg, name), "true or false")
+    gmu = cfg.gpu_memory_utilization
+    if gmu is not None and not (isinstance(gmu, (int, float)) and not isinstance(gmu, bool) and 0 < gmu <= 1):
+        bad("gpu_memory_utilization", gmu, "a fraction in (0, 1]")
     if cfg.layers is not None and not all(_is_int(k) for k in cfg.layers):
         bad("layers", cfg.layers, "a list of integers")
     for name in ("sources", "exclude_sources"):
@@ -111,6 +130,34 @@ def _validate(cfg: "RunConfig") -> None:
             bad(name, getattr(cfg, name), "a list of source names")
     if not all(_is_int(n) and n >= 0 for _, n in cfg.source_caps):
         bad("source_caps", cfg.source_caps, "SOURCE=N with N >= 0")
+    _validate_responses(cfg, bad)
+
+
+# keyword arguments of apply_chat_template itself, which --chat-template-kwarg may not set
+_RESERVED_TEMPLATE_KWARGS = {"messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                             "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                             "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+_REGENERATE_ONLY = ("regenerate_policy", "temperature", "top_p", "max_new_tokens", "seed")
+
+
+def _validate_responses(cfg: "RunConfig", bad) -> None:
+    """Self-distillation settings: sampling ranges, template kwargs, and no sampling flag without
+    ``responses="regenerate"`` (it would be silently ignored)."""
+    def is_num(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if not (is_num(cfg.temperature) and cfg.temperature >= 0):
+        bad("temperature", cfg.temperature, "a number >= 0 (0 = greedy)")
+    if not (is_num(cfg.top_p) and 0 < cfg.top_p <= 1):
+        bad("top_p", cfg.top_p, "a number in (0, 1]")
+    for key, _ in cfg.chat_template_kwargs:
+        if not (isinstance(key, str) and key.isidentifier()) or key in _RESERVED_TEMPLATE_KWARGS:
+            bad("chat_template_kwarg", key, "a template variable name (not an apply_chat_template argument)")
+    if cfg.responses == "dataset":
+        defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+        changed = [n for n in _REGENERATE_ONLY if getattr(cfg, n) != defaults[n]]
+        if changed:
+            raise CaptureError(f"--{changed[0].replace('_', '-')} applies only to --responses regenerate")
 
 
 _FILTER_FIELDS = {f.name for f in dataclasses.fields(FilterConfig)}
@@ -143,6 +190,10 @@ def from_mapping(values: dict[str, Any]) -> RunConfig:
             flat[key] = tuple(flat[key])
     if "source_caps" in flat:
         flat["source_caps"] = _parse_caps(flat["source_caps"])
+    if "chat_template_kwargs" in flat:
+        flat["chat_template_kwargs"] = parse_template_kwargs(flat["chat_template_kwargs"])
+    if "vllm_args" in flat:
+        flat["vllm_args"] = _parse_pairs("vllm-arg", flat["vllm_args"])
     for key in ("shard_size", "batch_tokens", "unit_tokens", "disk_reserve"):
         if key in flat:
             flat[key] = parse_size(flat[key])
@@ -165,6 +216,43 @@ def _parse_caps(value) -> tuple[tuple[str, int], ...]:
         return tuple((str(k), int(v)) for k, v in items)
     except ValueError:
         raise CaptureError(f"--source-cap counts must be integers: {value!r}") from None
+
+
+def _parse_pairs(flag: str, value) -> tuple[tuple[str, Any], ...]:
+    """``{"k": v}`` or ``["k=v", ...]`` → ``(("k", v), ...)``; CLI values are parsed as YAML scalars
+    (``8192`` → int, ``true`` → bool, ``{a: 1}`` → dict)."""
+    if isinstance(value, dict):
+        return tuple((str(k), v) for k, v in value.items())
+    pairs = []
+    for item in [value] if isinstance(value, str) else list(value):
+        key, sep, text = str(item).partition("=")
+        if not sep or not key.strip():
+            raise CaptureError(f"--{flag} wants KEY=VALUE, got {item!r}")
+        try:
+            parsed = yaml.safe_load(text)
+        except yaml.YAMLError:
+            parsed = text
+        pairs.append((key.strip().replace("-", "_"), text if parsed is None and text else parsed))
+    return tuple(pairs)
+
+
+def parse_template_kwargs(value) -> tuple[tuple[str, Any], ...]:
+    """``{"k": v}``, ``["k=v", ...]`` or ``"k=v"`` → ``(("k", v), ...)``. A ``k=v`` value is parsed as JSON
+    when it is JSON (``false`` → False, ``3`` → 3, ``{"a": 1}`` → dict), else kept as the string
+    (``high`` → "high")."""
+    if isinstance(value, dict):
+        return tuple((str(k), v) for k, v in value.items())
+    pairs = []
+    for item in [value] if isinstance(value, str) else list(value):
+        key, sep, text = str(item).partition("=")
+        if not sep or not key.strip():
+            raise CaptureError(f"--chat-template-kwarg wants KEY=VALUE, got {item!r}")
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            parsed = text
+        pairs.append((key.strip(), parsed))
+    return tuple(pairs)
 
 
 def load_yaml(path: str) -> dict[str, Any]:

@@ -24,10 +24,12 @@ from pathlib import Path
 
 from capture.chat import ChatEncoder, Tokenized, load_encoder, tokenizer_sha256
 from capture.config import RunConfig
+from capture.engines import EngineSpec, engine_spec, vllm_engine_args
 from capture.data import DatasetRef, ReadStats, iter_conversations, resolve_dataset
 from capture.errors import CaptureError
+from capture.regenerate import responses_header
 from capture.targets import Taps, Target, make_taps, model_dir, resolve_target
-from filters import apply_filters
+from filters import apply_filters, filter_prompt
 from shards import codecs
 from shards import format as shard_format
 from shards import manifest as manifest_mod
@@ -74,20 +76,21 @@ class Prepared:
     header: dict
     context_len: int | None
     dataset: DatasetRef
+    engine: EngineSpec
 
 
 def prepare(cfg: RunConfig) -> Prepared:
     """Resolve target, taps, dataset, model folder, tokenizer and run header (no engine loaded): every
     user error is raised here, before anything is written."""
-    if cfg.engine != "hf":
-        raise CaptureError(f"--engine {cfg.engine}: only the hf engine is available in this version")
     target = resolve_target(cfg.target)
     taps = make_taps(target, cfg.layers, cfg.final)
     dataset = resolve_dataset(cfg.dataset, cfg.split)
     mdir = model_dir(target, cfg.model_path)
     encoder = load_encoder(str(mdir), chat_template_file=cfg.chat_template, system_prompt=cfg.system_prompt,
-                           special_text=cfg.special_text)
+                           special_text=cfg.special_text, template_kwargs=cfg.chat_template_kwargs)
     model_cfg = json.loads((mdir / "config.json").read_text())
+    vllm_args = vllm_engine_args(cfg.tp, cfg.max_model_len, cfg.gpu_memory_utilization, cfg.vllm_args)
+    engine = engine_spec(cfg.engine, cfg.vllm_path, vllm_args, model_cfg)
     header = shard_format.header(
         target={"name": target.name, "source": target.source, "revision": target.revision,
                 "architecture": target.architecture, "num_layers": target.num_layers},
@@ -100,12 +103,18 @@ def prepare(cfg: RunConfig) -> Prepared:
         chat_template=encoder.template,
         chat_template_sha256=encoder.template_sha256,
         tokenizer_sha256=tokenizer_sha256(encoder.tokenizer),
+        responses=responses_header(cfg, encoder.end_ids),
     )
-    return Prepared(target, taps, str(mdir), encoder, header, model_cfg.get("max_position_embeddings"), dataset)
+    header["engine"] = engine.describe()
+    context = model_cfg.get("max_position_embeddings")
+    if engine.name == "vllm" and cfg.max_model_len:  # vLLM rejects prompts beyond its max_model_len
+        context = min(context or cfg.max_model_len, cfg.max_model_len)
+    return Prepared(target, taps, str(mdir), encoder, header, context, dataset, engine)
 
 
 def _records(cfg: RunConfig, prep: Prepared, summary: Summary, done: set[str], seen: set[str]):
-    """Stream kept records in dataset order; every other row is counted in ``summary.skipped``."""
+    """Stream kept records in dataset order; every other row is counted in ``summary.skipped``.
+    Regenerate mode yields :class:`capture.chat.Prompt` records, filtered by :func:`filters.filter_prompt`."""
     stats = ReadStats()
     skipped: collections.Counter = collections.Counter()
     specials = prep.encoder.special_strings()
@@ -117,11 +126,17 @@ def _records(cfg: RunConfig, prep: Prepared, summary: Summary, done: set[str], s
             if conv.sample_id in done:
                 summary.already_committed += 1
                 continue
-            rec = prep.encoder.encode(conv, specials)
+            if cfg.responses == "regenerate":
+                rec = prep.encoder.encode_prompt(conv, cfg.regenerate_policy, specials)
+            else:
+                rec = prep.encoder.encode(conv, specials)
             if isinstance(rec, str):
                 skipped[rec] += 1
                 continue
-            rec, reason = apply_filters(rec, cfg.filters, seen, prep.context_len)
+            if cfg.responses == "regenerate":
+                reason = filter_prompt(rec, cfg.filters, seen, prep.context_len, cfg.max_new_tokens)
+            else:
+                rec, reason = apply_filters(rec, cfg.filters, seen, prep.context_len)
             if reason:
                 skipped[reason] += 1
                 log.debug("%s dropped: %s", conv.sample_id, reason)
@@ -155,7 +170,8 @@ def bytes_per_token(header: dict, codec: str | None = None) -> float:
 
 
 def plan(cfg: RunConfig) -> Summary:
-    """``--dry-run``: read, tokenize and filter exactly as the run would; estimate tokens and bytes."""
+    """``--dry-run``: read, tokenize and filter exactly as the run would; estimate tokens and bytes
+    (regenerate mode: the prompt tokens plus the whole generation budget, an upper bound)."""
     prep = prepare(cfg)
     m = manifest_mod.read(cfg.out)
     if m.header is not None and (diff := manifest_mod.identity_diff(m.header, prep.header)):
@@ -163,7 +179,9 @@ def plan(cfg: RunConfig) -> Summary:
     manifest_mod.check_dataset(m, dataclasses.asdict(prep.dataset))
     summary = Summary(out=cfg.out)
     seen = m.token_hashes() if cfg.filters.dedup else set()
-    tokens = sum(r.num_tokens for r in _records(cfg, prep, summary, m.sample_ids(), seen))
+    budget = cfg.max_new_tokens if cfg.responses == "regenerate" else 0
+    records = _records(cfg, prep, summary, m.sample_ids(), seen)
+    tokens = sum(r.num_tokens + budget * getattr(r, "turns", 0) for r in records)
     summary.estimated_tokens = tokens
     summary.estimated_bytes = int(tokens * bytes_per_token(prep.header))
     summary.estimated_bytes_by_codec = {c: int(tokens * bytes_per_token(prep.header, c)) for c in codecs.CODECS}
@@ -240,10 +258,13 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
             ray.shutdown()
         raise CaptureError(f"{cfg.replicas} replica(s) x {cpus} CPU(s) do not fit the {total_cpus} CPU(s) Ray has; "
                            "lower --replicas or --cpus-per-replica")
-    actor_cls = ray.remote(num_cpus=cpus)(_replica_class())
+    # a vLLM replica on a GPU cluster holds its TP group's GPUs (Ray sets CUDA_VISIBLE_DEVICES for it)
+    gpus = cfg.tp if prep.engine.name == "vllm" and ray.cluster_resources().get("GPU", 0) else 0
+    actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus)(_replica_class())
     actors = [actor_cls.remote(prep.model_dir, prep.taps, prep.header,
                                str(Path(cfg.out).resolve()), shard_size=cfg.shard_size,
-                               batch_tokens=cfg.batch_tokens, threads=cpus, codec_threads=cfg.codec_threads)
+                               batch_tokens=cfg.batch_tokens, threads=cpus, codec_threads=cfg.codec_threads,
+                               engine=prep.engine, filters=cfg.filters)
               for _ in range(cfg.replicas)]
     pool = ActorPool(actors)
     bar = _progress(cfg)

@@ -9,6 +9,13 @@ each batch of rows to a queue of at most two batches (bounded memory in flight; 
 the writer falls behind), and the writer encodes cells with its own small thread pool (zstd and numpy
 release the GIL). A writer error (e.g. ENOSPC) is raised by the next ``process`` or ``finish`` call.
 
+Self-distillation (header ``responses.mode == "regenerate"``): a work unit holds
+:class:`capture.chat.Prompt` records; the replica generates their answers with the engine
+(:func:`capture.regenerate.regenerate`, batched by ``batch_tokens``), applies the length filters that
+depend on the generated answers (``filters``: max/min tokens, min loss tokens; a dropped record is
+rejected with the filter's reason), then prefills and writes the records like dataset ones. The replica
+does not care which engine it has.
+
 Write-time validation: a record whose states hold NaN or Inf is rejected with the reason
 ``nonfinite_states`` (counted, not written); a length mismatch between ids, mask, argmax and states is a
 bug in an engine and raises RuntimeError.
@@ -23,9 +30,12 @@ from typing import Sequence
 
 import torch
 
-from capture.chat import Tokenized
-from capture.engines.hf import Captured, HFEngine
+from capture.chat import Prompt, Tokenized
+from capture.engines import EngineSpec, load_engine
+from capture.engines.base import Captured
+from capture.regenerate import regenerate, sampling_of
 from capture.targets import Taps
+from filters import FilterConfig, apply_filters
 from shards.format import schema
 from shards.writer import Row, ShardInfo, ShardWriter
 
@@ -38,10 +48,13 @@ class UnitResult:
     rows: int
 
 
-def length_batches(records: Sequence[Tokenized], batch_tokens: int) -> list[list[Tokenized]]:
+def length_batches(records: Sequence[Tokenized], batch_tokens: int | None) -> list[list[Tokenized]]:
     """Group records by length (longest first) into batches of at most ``batch_tokens`` padded tokens;
-    a record longer than the budget gets a batch of its own."""
+    a record longer than the budget gets a batch of its own. ``None``: one batch (an engine that
+    schedules its own batches, like vLLM)."""
     ordered = sorted(records, key=lambda r: r.num_tokens, reverse=True)
+    if batch_tokens is None:
+        return [ordered] if ordered else []
     batches: list[list[Tokenized]] = []
     for rec in ordered:
         if batches and (len(batches[-1]) + 1) * batches[-1][0].num_tokens <= batch_tokens:
@@ -65,17 +78,23 @@ def to_row(rec: Tokenized, cap: Captured, hidden_size: int) -> Row | str:
         if not bool(torch.isfinite(t).all()):
             return f"nonfinite_states:{column}"
     return Row(rec.sample_id, rec.source, rec.row_index, rec.input_ids, rec.loss_mask, cap.argmax, cap.states,
-               rec.token_sha256)
+               rec.token_sha256, rec.finish_reasons)
 
 
 class Replica:
-    """Engine + shard writer. ``header`` is the run header (shards.format.header)."""
+    """Engine + shard writer. ``header`` is the run header (shards.format.header); ``filters`` are applied
+    to regenerated records after generation (dedup excepted: the driver dedups prompts)."""
 
     def __init__(self, model_dir: str, taps: Taps, header: dict, out_dir: str, *, shard_size: int,
-                 batch_tokens: int, threads: int | None = None, codec_threads: int = 2):
-        self.engine = HFEngine(model_dir, taps, argmax=header["argmax"], dtype=header["dtype"], threads=threads)
+                 batch_tokens: int, threads: int | None = None, codec_threads: int = 2,
+                 engine: EngineSpec = EngineSpec("hf"), filters: FilterConfig | None = None):
+        self.engine = load_engine(engine, model_dir, taps, argmax=header["argmax"], dtype=header["dtype"],
+                                  threads=threads)
         self.hidden_size = header["hidden_size"]
-        self.batch_tokens = batch_tokens
+        # vLLM schedules its own batches (max_num_batched_tokens): hand it the whole unit at once
+        self.batch_tokens = batch_tokens if engine.name == "hf" else None
+        self.responses = header.get("responses") or {"mode": "dataset"}
+        self.filters = dataclasses.replace(filters or FilterConfig(), dedup=False)
         self.writer = ShardWriter(out_dir, schema(header), shard_size, threads=codec_threads)
         self._queue: queue.Queue = queue.Queue(maxsize=2)
         self._closed: queue.SimpleQueue[ShardInfo] = queue.SimpleQueue()  # writer thread → caller
@@ -105,9 +124,12 @@ class Replica:
             closed.append(self._closed.get())
         return closed
 
-    def process(self, unit: Sequence[Tokenized]) -> UnitResult:
-        """Prefill and write one work unit; returns the shards closed meanwhile and the rejections."""
+    def process(self, unit: Sequence[Tokenized] | Sequence[Prompt]) -> UnitResult:
+        """Prefill and write one work unit (regenerate mode: generate the answers first); returns the
+        shards closed meanwhile and the rejections."""
         result = UnitResult([], {}, 0, 0)
+        if self.responses["mode"] == "regenerate":
+            unit = self._regenerate(unit, result.rejected)
         for batch in length_batches(unit, self.batch_tokens):
             rows = []
             for rec, cap in zip(batch, self.engine.forward([r.input_ids for r in batch])):
@@ -124,6 +146,19 @@ class Replica:
             result.rows += len(rows)
         result.shards = self._collect()
         return result
+
+    def _regenerate(self, prompts: Sequence[Prompt], rejected: dict[str, str]) -> list[Tokenized]:
+        """Generated records of ``prompts`` that pass the length filters; the others go to ``rejected``."""
+        records = regenerate(self.engine, prompts, sampling_of(self.responses), self.responses["stop_ids"],
+                             batch_tokens=self.batch_tokens)
+        kept = []
+        for rec in records:
+            filtered, reason = apply_filters(rec, self.filters, set())
+            if reason:
+                rejected[rec.sample_id] = reason
+            else:
+                kept.append(filtered)
+        return kept
 
     def finish(self) -> list[ShardInfo]:
         """Wait for the writer, close the open shard; returns the shards not yet handed to the driver."""

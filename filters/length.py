@@ -15,6 +15,9 @@ no_loss_tokens         no supervised token at all (validity; e.g. truncated befo
 duplicate              same ``token_sha256`` as a record already kept or committed
 =====================  ==============================================================
 
+In regenerate mode (``--responses regenerate``) the driver applies :func:`filter_prompt` to the prompt
+before generation and the replica applies :func:`apply_filters` (without dedup) to the generated record.
+
 No filter is on by default except the model context and validity. The GLM-5.3-Flash DSpine drafter's
 data kept only conversations of about 1,000 tokens or more: ``min_tokens=1000``.
 """
@@ -24,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from capture.chat import Tokenized
+from capture.chat import Prompt, Tokenized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,3 +75,24 @@ def apply_filters(
             return None, "duplicate"
         seen.add(digest)
     return rec, None
+
+
+def filter_prompt(prompt: Prompt, cfg: FilterConfig, seen: set[str], context_len: int | None,
+                  max_new_tokens: int) -> str | None:
+    """Regenerate mode, before generation: the drop reason for a :class:`capture.chat.Prompt`, or None.
+
+    ``over_context``: its fixed tokens plus ``max_new_tokens`` per generated turn may not fit the model's
+    context (always dropped: the engine cannot generate past it). ``over_max_tokens`` (drop policy):
+    its fixed tokens alone exceed ``max_tokens``. ``duplicate`` (``cfg.dedup``): the same prompt tokens
+    as a prompt already kept. Every filter that depends on the answers (``max_tokens`` again, with
+    drop or truncate, ``min_tokens``, ``min_loss_tokens``) runs after generation, in the replica.
+    """
+    if context_len is not None and prompt.num_tokens + prompt.turns * max_new_tokens > context_len:
+        return "over_context"
+    if cfg.max_tokens is not None and cfg.overlength == "drop" and prompt.num_tokens > cfg.max_tokens:
+        return "over_max_tokens"
+    if cfg.dedup:
+        if prompt.token_sha256 in seen:
+            return "duplicate"
+        seen.add(prompt.token_sha256)
+    return None

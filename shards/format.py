@@ -14,6 +14,7 @@ argmax              list<int32>                 ``[T]`` target's greedy predicti
 num_tokens          int32                       T
 num_loss_tokens     int32                       ``sum(loss_mask)``
 token_sha256        string                      SHA-256 hex of the little-endian int32 bytes of input_ids
+finish_reasons      list<string> (nullable)     ``"stop"``/``"length"`` per generated turn (regenerate); null
 tap_<k>             large_binary                ``[T, H]`` states after decoder layer k, one encoded cell
 final               large_binary                ``[T, H]`` final state (if stored), one encoded cell
 ==================  ==========================  ==================================================
@@ -24,7 +25,10 @@ written uncompressed (ids, mask and argmax are ~9 bytes a token next to kilobyte
 field's metadata records ``codec``, ``dtype`` (``bfloat16`` or ``float16``: some engines give fp16; the
 dtype a cell decodes to), ``shape`` and ``layer``. The schema metadata key
 ``capture`` holds a JSON header (:func:`header`): format version, target, taps and conventions, hidden
-size, codec, chat template text and hash, tokenizer hash. Readers refuse an unknown major version.
+size, codec, chat template text and hash, tokenizer hash, and ``responses``: where the answers come from
+(``mode`` ``dataset`` or ``regenerate``; for regenerate the policy, sampling parameters and stop ids; the
+chat template kwargs). Readers refuse an unknown major version; 1.1 added ``finish_reasons`` and
+``responses`` (a 1.0 header without ``responses`` means dataset answers, no template kwargs).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import pyarrow as pa
 from capture.errors import CaptureError
 from shards import codecs
 
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"
 METADATA_KEY = b"capture"
 STATE_TYPE = pa.large_binary()
 
@@ -60,6 +64,7 @@ def schema(header: dict) -> pa.Schema:
         pa.field("num_tokens", pa.int32(), nullable=False),
         pa.field("num_loss_tokens", pa.int32(), nullable=False),
         pa.field("token_sha256", pa.string(), nullable=False),
+        pa.field("finish_reasons", pa.list_(pa.string()), nullable=True),
     ]
     for column in header["columns"]:
         layer = column.removeprefix("tap_") if column.startswith("tap_") else header["taps"]["final"]
@@ -70,8 +75,10 @@ def schema(header: dict) -> pa.Schema:
 
 
 def header(*, target: dict, taps: dict, columns: list[str], hidden_size: int, dtype: str, codec: str,
-           argmax: bool, chat_template: str, chat_template_sha256: str, tokenizer_sha256: str) -> dict:
-    """The run header stored in every shard's schema metadata and as the manifest's first line."""
+           argmax: bool, chat_template: str, chat_template_sha256: str, tokenizer_sha256: str,
+           responses: dict | None = None) -> dict:
+    """The run header stored in every shard's schema metadata and as the manifest's first line.
+    ``responses``: see :func:`capture.regenerate.responses_header` (None: dataset answers)."""
     codecs.check(codec)
     return {
         "format_version": FORMAT_VERSION,
@@ -86,6 +93,7 @@ def header(*, target: dict, taps: dict, columns: list[str], hidden_size: int, dt
         "chat_template": chat_template,
         "chat_template_sha256": chat_template_sha256,
         "tokenizer_sha256": tokenizer_sha256,
+        "responses": responses or {"mode": "dataset", "chat_template_kwargs": {}},
     }
 
 
@@ -110,4 +118,7 @@ def check_version(version: str) -> None:
 
 # Fields that must be equal for new shards to join an existing run (see shards.manifest).
 RUN_IDENTITY = ("target", "taps", "columns", "hidden_size", "dtype", "codec", "argmax", "chat_template_sha256",
-                "tokenizer_sha256")
+                "tokenizer_sha256", "responses")
+# What a header without a field means (headers written before the field existed).
+DATASET_RESPONSES = {"mode": "dataset", "chat_template_kwargs": {}}
+IDENTITY_DEFAULTS = {"responses": DATASET_RESPONSES}

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 from capture.errors import CaptureError
-from shards.format import RUN_IDENTITY, check_version
+from shards.format import IDENTITY_DEFAULTS, RUN_IDENTITY, check_version
 from shards.writer import ShardInfo
 
 log = logging.getLogger(__name__)
@@ -90,8 +90,8 @@ def read(run_dir: str | os.PathLike) -> Manifest:
 
 
 def identity_diff(old: dict, new: dict) -> list[str]:
-    """Fields of RUN_IDENTITY on which two run headers disagree."""
-    return [k for k in RUN_IDENTITY if old.get(k) != new.get(k)]
+    """Fields of RUN_IDENTITY on which two run headers disagree (a missing field means its default)."""
+    return [k for k in RUN_IDENTITY if old.get(k, IDENTITY_DEFAULTS.get(k)) != new.get(k, IDENTITY_DEFAULTS.get(k))]
 
 
 def check_dataset(manifest: Manifest, ref: dict) -> bool:

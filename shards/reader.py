@@ -68,7 +68,8 @@ def state_tensor(table: pa.Table, column: str, row: int) -> torch.Tensor:
 
 
 def iter_rows(run_dir: str | os.PathLike) -> Iterator[dict]:
-    """Every committed row as a dict: ids, mask and argmax as numpy arrays, states as tensors."""
+    """Every committed row as a dict: ids, mask and argmax as numpy arrays, states as tensors,
+    ``finish_reasons`` as a list of strings (None in dataset mode)."""
     for path in shard_paths(run_dir):
         table = read_table(path)
         state_cols = [f.name for f in table.schema if f.type == pa.large_binary()]
@@ -77,7 +78,11 @@ def iter_rows(run_dir: str | os.PathLike) -> Iterator[dict]:
             row = {}
             for c in scalars:
                 value = table.column(c)[i]
-                row[c] = value.values.to_numpy(zero_copy_only=False) if isinstance(value, pa.ListScalar) else value.as_py()
+                numeric = isinstance(value, pa.ListScalar) and not pa.types.is_string(value.type.value_type)
+                if numeric and value.is_valid:
+                    row[c] = value.values.to_numpy(zero_copy_only=False)
+                else:  # scalars, finish_reasons (a list of strings or None)
+                    row[c] = value.as_py()
             for c in state_cols:
                 row[c] = state_tensor(table, c, i)
             yield row

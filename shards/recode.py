@@ -1,8 +1,9 @@
 """``capture shards recode SRC DST --codec C``: the same run, its states stored with another codec.
 
 E.g. keep a lossless archive (``bf16-split``) and train from ``fp8-e4m3``. Rows keep their order, ids,
-tokens, masks and argmax; only the state cells change. DST is a run folder of its own (header equal to
-SRC's but for the codec, same commit protocol), so an interrupted recode resumes by rerunning it.
+tokens, masks, argmax and finish reasons; only the state cells change. DST is a run folder of its own
+(header equal to SRC's but for the codec, same commit protocol), so an interrupted recode resumes by
+rerunning it.
 Recoding a lossy run into a lossless codec stores the lossy values losslessly (logged as a warning).
 """
 
@@ -85,4 +86,13 @@ def _row(table: pa.Table, i: int) -> Row:
         argmax=values("argmax") if "argmax" in table.column_names else None,
         states=states,
         token_sha256=table["token_sha256"][i].as_py(),
+        finish_reasons=_finish_reasons(table, i),
     )
+
+
+def _finish_reasons(table: pa.Table, i: int) -> tuple[str, ...] | None:
+    """A row's finish reasons (None in dataset mode and in shards from before the column existed)."""
+    if "finish_reasons" not in table.column_names:
+        return None
+    reasons = table["finish_reasons"][i].as_py()
+    return None if reasons is None else tuple(reasons)

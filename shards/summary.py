@@ -21,16 +21,21 @@ def ls(run_dir: str | os.PathLike) -> list[dict]:
 def stat(run_dir: str | os.PathLike) -> dict:
     """Run totals: rows, tokens, supervised tokens, bytes, bytes per token against raw bf16, per source.
 
-    Reads only the ``source`` and token-count columns of each shard (no state is decompressed).
+    Reads only the ``source``, token-count and (regenerate runs) ``finish_reasons`` columns of each shard
+    (no state is decompressed); ``finish_reasons`` counts generated turns by reason.
     """
     m = manifest_mod.read(run_dir)
     if m.header is None:
         return {"run": str(run_dir), "shards": 0}
     per_source: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    regenerated = (m.header.get("responses") or {}).get("mode") == "regenerate"
+    finished: collections.Counter = collections.Counter()
     for path in (Path(run_dir) / s["path"] for s in m.shards):
-        t = read_table(path, ["source", "num_tokens", "num_loss_tokens"])
+        t = read_table(path, ["source", "num_tokens", "num_loss_tokens"] + (["finish_reasons"] if regenerated else []))
         for src, n, k in zip(t["source"].to_pylist(), t["num_tokens"].to_pylist(), t["num_loss_tokens"].to_pylist()):
             per_source[src].update(rows=1, tokens=n, loss_tokens=k)
+        if regenerated:
+            finished.update(r for reasons in t["finish_reasons"].to_pylist() for r in reasons or ())
     rows = sum(s["rows"] for s in m.shards)
     tokens = sum(s["tokens"] for s in m.shards)
     nbytes = sum(s["bytes"] for s in m.shards)
@@ -41,6 +46,8 @@ def stat(run_dir: str | os.PathLike) -> dict:
         "columns": m.header["columns"],
         "hidden_size": m.header["hidden_size"],
         "codec": m.header["codec"],
+        "responses": (m.header.get("responses") or {}).get("mode", "dataset"),
+        **({"finish_reasons": dict(finished)} if regenerated else {}),
         "complete": m.complete,
         "last_completion": {k: v for k, v in m.completions[-1].items() if k != "kind"} if m.completions else None,
         "shards": len(m.shards),
@@ -71,6 +78,8 @@ def head(run_dir: str | os.PathLike, n: int = 5) -> list[dict]:
                 "num_loss_tokens": table["num_loss_tokens"][i].as_py(),
                 "input_ids[:12]": ids[:12].tolist(),
                 "token_sha256": table["token_sha256"][i].as_py()[:16],
+                **({"finish_reasons": r} if "finish_reasons" in table.column_names
+                   and (r := table["finish_reasons"][i].as_py()) is not None else {}),
                 **{f"|{c}| mean": round(float(torch.linalg.vector_norm(state_tensor(table, c, i).float(), dim=-1).mean()), 2)
                    for c in states},
             })

@@ -3,8 +3,9 @@
 Per shard: the file exists, its size and SHA-256 equal the manifest line, its schema header has the
 run's identity, its rows, sample ids, tokens and supervised tokens equal the manifest's, and every row is
 self-consistent (``num_tokens`` = len(input_ids) = len(loss_mask) = len(argmax), ``num_loss_tokens`` =
-sum(loss_mask), every state cell decodes to ``[T, H]``, ``token_sha256`` recomputes). Across shards: no
-sample id twice. Files in the folder that no manifest line names are reported as garbage, not errors.
+sum(loss_mask), every state cell decodes to ``[T, H]``, ``token_sha256`` recomputes, ``finish_reasons``
+fits the run's responses mode). Across shards: no sample id twice. Files in the folder that no manifest
+line names are reported as garbage, not errors.
 """
 
 from __future__ import annotations
@@ -68,6 +69,19 @@ def verify(run_dir: str | os.PathLike) -> Report:
     return report
 
 
+def _check_finish_reasons(reasons: list, header: dict, ids: list[str]) -> list[str]:
+    """Regenerate runs: one reason or more per row, each ``stop`` or ``length``, all but the last ``stop``
+    (a conversation goes on only after an answer that stopped); dataset runs: null."""
+    if (header.get("responses") or {}).get("mode") == "regenerate":
+        bad = [i for i, r in enumerate(reasons)
+               if not r or r[-1] not in ("stop", "length") or any(x != "stop" for x in r[:-1])]
+        want = "one 'stop'/'length' per generated turn"
+    else:
+        bad = [i for i, r in enumerate(reasons) if r is not None]
+        want = "null (the answers come from the dataset)"
+    return [f"finish_reasons not {want} in {len(bad)} row(s), e.g. {ids[bad[0]]}"] if bad else []
+
+
 def _verify_shard(run_dir: Path, entry: dict, header: dict) -> list[str]:
     path = run_dir / entry["path"]
     if not path.is_file():
@@ -97,6 +111,8 @@ def _verify_shard(run_dir: Path, entry: dict, header: dict) -> list[str]:
     mask_sums = np.array([int(np.sum(v.values.to_numpy(zero_copy_only=False))) for v in table.column("loss_mask")])
     if not np.array_equal(mask_sums, table.column("num_loss_tokens").to_numpy()):
         problems.append("num_loss_tokens differs from sum(loss_mask)")
+    if "finish_reasons" in table.column_names:
+        problems += _check_finish_reasons(table.column("finish_reasons").to_pylist(), header, ids)
     if int(n.sum()) != entry["tokens"] or int(mask_sums.sum()) != entry["loss_tokens"]:
         problems.append(f"tokens {int(n.sum())}/{int(mask_sums.sum())} != manifest {entry['tokens']}/{entry['loss_tokens']}")
     for field in table.schema:

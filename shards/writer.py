@@ -47,7 +47,8 @@ class ShardInfo:
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One conversation ready to store. Arrays: ``input_ids`` int32 ``[T]``, ``loss_mask`` bool ``[T]``,
-    ``argmax`` int32 ``[T]`` or None, ``states`` column → ``[T, H]`` tensor (bf16 or fp16)."""
+    ``argmax`` int32 ``[T]`` or None, ``states`` column → ``[T, H]`` tensor (bf16 or fp16);
+    ``finish_reasons``: one ``"stop"``/``"length"`` per generated turn (regenerate mode), else None."""
 
     sample_id: str
     source: str
@@ -57,6 +58,7 @@ class Row:
     argmax: np.ndarray | None
     states: dict[str, torch.Tensor]
     token_sha256: str
+    finish_reasons: tuple[str, ...] | None = None
 
 
 def _list_array(arrays: Sequence[np.ndarray], value_type: pa.DataType) -> pa.Array:
@@ -87,6 +89,9 @@ def record_batch(schema: pa.Schema, rows: Sequence[Row], encode: Callable = None
     }
     if "argmax" in schema.names:
         cols["argmax"] = _list_array([r.argmax for r in rows], pa.int32())
+    if "finish_reasons" in schema.names:
+        reasons = [None if r.finish_reasons is None else list(r.finish_reasons) for r in rows]
+        cols["finish_reasons"] = pa.array(reasons, pa.list_(pa.string()))
     for name in schema.names:
         if schema.field(name).type == STATE_TYPE:
             cols[name] = _state_array(encode([r.states[name] for r in rows]))

@@ -642,6 +642,9 @@ def test_manifest_unknown_major_version(tmp_path):
     ("chat_template_sha256", "d" * 64),
     ("hidden_size", 16),
     ("target", {"name": "other"}),
+    ("responses", {"mode": "regenerate", "policy": "last", "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 512,
+                   "seed": 0, "stop_ids": [2], "chat_template_kwargs": {}}),
+    ("responses", {"mode": "dataset", "chat_template_kwargs": {"enable_thinking": False}}),
 ])
 def test_manifest_reopen_with_different_header(good_run, field, value):
     run, infos, _ = good_run
@@ -658,6 +661,50 @@ def test_manifest_reopen_differing_only_in_chat_template_text_is_allowed(good_ru
     run, infos, _ = good_run
     mw, m = ManifestWriter.open(run, make_header(chat_template="other text, same hash"))
     assert len(m.shards) == 3
+
+
+def test_manifest_reopen_of_a_header_from_before_responses(tmp_path):
+    """A 1.0 header has no ``responses``: it means dataset answers, so today's dataset header resumes it and a
+    regenerate header is refused."""
+    old = {k: v for k, v in HEADER.items() if k != "responses"} | {"format_version": "1.0"}
+    write_run(tmp_path, [make_rows(3, 2)], header=old)
+    mw, m = ManifestWriter.open(tmp_path, HEADER)
+    assert len(m.shards) == 1 and "responses" not in m.header
+    with pytest.raises(CaptureError, match="different responses"):
+        ManifestWriter.open(tmp_path, make_header(responses={"mode": "regenerate", "chat_template_kwargs": {}}))
+
+
+REGENERATED = make_header(responses={"mode": "regenerate", "policy": "every", "temperature": 0.0, "top_p": 1.0,
+                                     "max_new_tokens": 16, "seed": 0, "stop_ids": [2], "chat_template_kwargs": {}})
+
+
+def test_finish_reasons_round_trip_verify_stat_and_recode(tmp_path):
+    rows = [dataclasses.replace(r, finish_reasons=reasons) for r, reasons in
+            zip(make_rows(5, 3), [("stop",), ("stop", "length"), ("stop", "stop", "stop")])]
+    write_run(tmp_path / "run", [rows], header=REGENERATED)
+    got = list(iter_rows(tmp_path / "run"))
+    assert [g["finish_reasons"] for g in got] == [["stop"], ["stop", "length"], ["stop", "stop", "stop"]]
+    assert verify(tmp_path / "run").ok
+    s = stat(tmp_path / "run")
+    assert s["responses"] == "regenerate" and s["finish_reasons"] == {"stop": 5, "length": 1}
+    assert head(tmp_path / "run", 1)[0]["finish_reasons"] == ["stop"]
+    invoke("shards", "recode", str(tmp_path / "run"), str(tmp_path / "fp8"), "--codec", "fp8-e4m3")
+    assert [g["finish_reasons"] for g in iter_rows(tmp_path / "fp8")] == [g["finish_reasons"] for g in got]
+    write_run(tmp_path / "plain", [make_rows(4, 2)])  # dataset answers: null
+    assert [g["finish_reasons"] for g in iter_rows(tmp_path / "plain")] == [None, None]
+
+
+@pytest.mark.parametrize("header, reasons, message", [
+    (REGENERATED, None, "finish_reasons not one 'stop'/'length' per generated turn in 1 row(s), e.g. d:1"),
+    (REGENERATED, ("length", "stop"), "finish_reasons not one 'stop'/'length' per generated turn in 1 row(s), e.g. d:1"),
+    (REGENERATED, ("done",), "finish_reasons not one 'stop'/'length' per generated turn in 1 row(s), e.g. d:1"),
+    (HEADER, ("stop",), "finish_reasons not null (the answers come from the dataset) in 1 row(s), e.g. d:1"),
+])
+def test_verify_finish_reasons(tmp_path, header, reasons, message):
+    good = ("stop",) if header is REGENERATED else None
+    rows = [dataclasses.replace(r, finish_reasons=reasons if i == 1 else good) for i, r in enumerate(make_rows(6, 3))]
+    [info] = write_run(tmp_path, [rows], header=header)
+    assert verify(tmp_path).problems == [f"{info.path}: {message}"]
 
 
 def test_manifest_reopen_same_header(good_run):
@@ -758,7 +805,8 @@ def test_verify_reports_unreadable_shard_version(good_run):
 
 def test_schema_columns_and_metadata():
     assert SCHEMA.names == ["sample_id", "source", "row_index", "input_ids", "loss_mask", "argmax", "num_tokens",
-                            "num_loss_tokens", "token_sha256", "tap_1", "tap_3", "final"]
+                            "num_loss_tokens", "token_sha256", "finish_reasons", "tap_1", "tap_3", "final"]
+    assert SCHEMA.field("finish_reasons").nullable and SCHEMA.field("finish_reasons").type == pa.list_(pa.string())
     assert SCHEMA.field("tap_3").metadata == {b"codec": b"bf16", b"dtype": b"bfloat16", b"shape": b"[T, 8]",
                                               b"layer": b"3"}
     assert SCHEMA.field("final").metadata[b"layer"] == b"post-norm"

