@@ -191,9 +191,9 @@ def from_mapping(values: dict[str, Any]) -> RunConfig:
     if "source_caps" in flat:
         flat["source_caps"] = _parse_caps(flat["source_caps"])
     if "chat_template_kwargs" in flat:
-        flat["chat_template_kwargs"] = parse_template_kwargs(flat["chat_template_kwargs"])
+        flat["chat_template_kwargs"] = parse_pairs("chat-template-kwarg", flat["chat_template_kwargs"])
     if "vllm_args" in flat:
-        flat["vllm_args"] = _parse_pairs("vllm-arg", flat["vllm_args"])
+        flat["vllm_args"] = parse_pairs("vllm-arg", flat["vllm_args"])
     for key in ("shard_size", "batch_tokens", "unit_tokens", "disk_reserve"):
         if key in flat:
             flat[key] = parse_size(flat[key])
@@ -218,9 +218,10 @@ def _parse_caps(value) -> tuple[tuple[str, int], ...]:
         raise CaptureError(f"--source-cap counts must be integers: {value!r}") from None
 
 
-def _parse_pairs(flag: str, value) -> tuple[tuple[str, Any], ...]:
-    """``{"k": v}`` or ``["k=v", ...]`` → ``(("k", v), ...)``; CLI values are parsed as YAML scalars
-    (``8192`` → int, ``true`` → bool, ``{a: 1}`` → dict)."""
+def parse_pairs(flag: str, value) -> tuple[tuple[str, Any], ...]:
+    """``{"k": v}``, ``["k=v", ...]`` or ``"k=v"`` → ``(("k", v), ...)``, for ``--chat-template-kwarg``
+    and ``--vllm-arg``. A ``k=v`` value is parsed as JSON when it is JSON (``false`` → False, ``3`` → 3,
+    ``{"a": 1}`` → dict), else kept as the string (``high`` → "high"). Raises CaptureError naming ``flag``."""
     if isinstance(value, dict):
         return tuple((str(k), v) for k, v in value.items())
     pairs = []
@@ -228,25 +229,6 @@ def _parse_pairs(flag: str, value) -> tuple[tuple[str, Any], ...]:
         key, sep, text = str(item).partition("=")
         if not sep or not key.strip():
             raise CaptureError(f"--{flag} wants KEY=VALUE, got {item!r}")
-        try:
-            parsed = yaml.safe_load(text)
-        except yaml.YAMLError:
-            parsed = text
-        pairs.append((key.strip().replace("-", "_"), text if parsed is None and text else parsed))
-    return tuple(pairs)
-
-
-def parse_template_kwargs(value) -> tuple[tuple[str, Any], ...]:
-    """``{"k": v}``, ``["k=v", ...]`` or ``"k=v"`` → ``(("k", v), ...)``. A ``k=v`` value is parsed as JSON
-    when it is JSON (``false`` → False, ``3`` → 3, ``{"a": 1}`` → dict), else kept as the string
-    (``high`` → "high")."""
-    if isinstance(value, dict):
-        return tuple((str(k), v) for k, v in value.items())
-    pairs = []
-    for item in [value] if isinstance(value, str) else list(value):
-        key, sep, text = str(item).partition("=")
-        if not sep or not key.strip():
-            raise CaptureError(f"--chat-template-kwarg wants KEY=VALUE, got {item!r}")
         try:
             parsed = json.loads(text)
         except ValueError:

@@ -139,8 +139,11 @@ class VLLMEngine:
         else:
             args["worker_extension_cls"] = "capture.engines.vllm_hooks.HookExtension"
             args["enforce_eager"] = True
-        # one engine per replica process: run vLLM's engine core in this process (no extra process)
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # vLLM's engine core runs in this (the replica's) process: _take steps it until the connector has
+        # read every finished request; a separate core process would leave that step to a busy loop
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+            log.warning("vllm: VLLM_ENABLE_V1_MULTIPROCESSING set to 0 (capture drives the engine core in-process)")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
             self.llm = LLM(model=model_dir, dtype=dtype, **args)
         except TypeError as e:
@@ -148,7 +151,6 @@ class VLLMEngine:
         if path == "hooks":
             # hook the layers whose *output* is each aux id: aux id i = output of layer i-1
             self.llm.collective_rpc("capture_install", args=([i - 1 for i in self.ids],))
-        self._in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 
     # ------------------------------------------------------------------ prefill
     @torch.inference_mode()
@@ -172,9 +174,10 @@ class VLLMEngine:
         """Collect each request's ``[T, L, H]`` slab from TP rank 0 (and the ids it was computed for).
 
         The extract connector reads a finished request's states in the engine step after the one that
-        finished it, so in-process one more step is run when states are missing."""
+        finished it (``get_finished``), so when states are missing the engine is stepped again (one step
+        suffices; a few are allowed)."""
         got: dict[str, Any] = {}
-        for _ in range(8):
+        for _ in range(4):
             if self.path == "extract":
                 from capture.engines.vllm_connector import take_captured
 
@@ -183,7 +186,7 @@ class VLLMEngine:
             else:
                 parts = self.llm.collective_rpc("capture_take", args=([k for k in keys if k not in got],))
                 got.update({k: (s, None) for part in parts for k, s in part.items()})
-            if len(got) == len(keys) or not self._in_process:
+            if len(got) == len(keys):
                 break
             self.llm.llm_engine.step()
         missing = [k for k in keys if k not in got]
