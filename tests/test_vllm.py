@@ -245,3 +245,16 @@ def test_cli_run_with_vllm(tmp_path, sample_jsonl, encoder, smol_dir):
 def test_bad_vllm_arg(tmp_path, arg, message):
     res = capture_inproc("run", "--engine", "vllm", "--vllm-arg", arg, "--out", str(tmp_path / "r"), "--dry-run")
     assert res.exit_code == 2 and message in res.output, res.output
+
+
+def test_path_choice_for_mla_targets():
+    """MLA targets (GLM-5.x: kv_lora_rank in the config) get the hooks path; extract is refused for them."""
+    from capture.engines import engine_spec
+    from capture.errors import CaptureError
+
+    glm_like = {"kv_lora_rank": 512, "num_hidden_layers": 78}
+    assert engine_spec("vllm", "auto", {}, glm_like).vllm_path == "hooks"
+    assert engine_spec("vllm", "auto", {}, {"num_hidden_layers": 30}).vllm_path == "extract"
+    with pytest.raises(CaptureError, match="MLA"):
+        engine_spec("vllm", "extract", {}, glm_like)
+    assert engine_spec("hf", "auto", {"tensor_parallel_size": 1}, glm_like).vllm_args == ()
