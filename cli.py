@@ -110,7 +110,7 @@ def targets(as_json: bool) -> None:
 @click.option("--cpus-per-replica", type=int)
 @click.option("--ray-address", help="Ray cluster address (default: start a local instance).")
 @click.option("--engine", type=click.Choice(["hf", "vllm", "auto"]),
-              help="hf (transformers, default), vllm, or auto (vllm when installed and a GPU is visible).")
+              help="hf (transformers), vllm, or auto (default: vllm when installed and a GPU is visible, else hf).")
 @click.option("--vllm-path", type=click.Choice(["auto", "extract", "hooks"]),
               help="vLLM capture path: extract_hidden_states + KV connector, or worker-extension hooks "
                    "(auto: hooks for MLA targets).")

@@ -69,7 +69,7 @@ class RunConfig:
     replicas: int = 1
     cpus_per_replica: int | None = None  # None: all CPUs Ray sees, split over replicas
     ray_address: str | None = None  # None: start a local Ray instance
-    engine: str = "hf"  # hf | vllm | auto (vllm when installed and a GPU is visible)
+    engine: str = "auto"  # hf | vllm | auto (vllm when installed and a GPU is visible, else hf)
     vllm_path: str = "auto"  # extract | hooks | auto (hooks for MLA targets); see capture.engines.vllm
     tp: int = 1  # vLLM tensor-parallel size (GPUs per replica)
     max_model_len: int | None = None  # vLLM context length (None: the model's)

@@ -91,6 +91,14 @@ def prepare(cfg: RunConfig) -> Prepared:
     model_cfg = json.loads((mdir / "config.json").read_text())
     vllm_args = vllm_engine_args(cfg.tp, cfg.max_model_len, cfg.gpu_memory_utilization, cfg.vllm_args)
     engine = engine_spec(cfg.engine, cfg.vllm_path, vllm_args, model_cfg)
+    if engine.name != "vllm":  # refused, not silently ignored
+        vllm_only = [flag for flag, given in (("--vllm-path", cfg.vllm_path != "auto"), ("--tp", cfg.tp != 1),
+                                              ("--max-model-len", cfg.max_model_len is not None),
+                                              ("--gpu-memory-utilization", cfg.gpu_memory_utilization is not None),
+                                              ("--vllm-arg", bool(cfg.vllm_args))) if given]
+        if vllm_only:
+            why = " (--engine auto picks vllm only when vLLM is installed and a GPU is visible)" if cfg.engine == "auto" else ""
+            raise CaptureError(f"{vllm_only[0]} applies only to the vllm engine; this run uses {engine.name}{why}")
     header = shard_format.header(
         target={"name": target.name, "source": target.source, "revision": target.revision,
                 "architecture": target.architecture, "num_layers": target.num_layers},
@@ -106,9 +114,11 @@ def prepare(cfg: RunConfig) -> Prepared:
         responses=responses_header(cfg, encoder.end_ids),
     )
     header["engine"] = engine.describe()
+    header["engine_version"] = engine.version()
     context = model_cfg.get("max_position_embeddings")
-    if engine.name == "vllm" and cfg.max_model_len:  # vLLM rejects prompts beyond its max_model_len
-        context = min(context or cfg.max_model_len, cfg.max_model_len)
+    limit = vllm_args.get("max_model_len") if engine.name == "vllm" else None
+    if limit:  # vLLM rejects prompts beyond its max_model_len (--max-model-len or --vllm-arg max_model_len=)
+        context = min(context or limit, limit)
     return Prepared(target, taps, str(mdir), encoder, header, context, dataset, engine)
 
 
@@ -266,6 +276,14 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
                                batch_tokens=cfg.batch_tokens, threads=cpus, codec_threads=cfg.codec_threads,
                                engine=prep.engine, filters=cfg.filters)
               for _ in range(cfg.replicas)]
+    try:
+        ray.get([a.start.remote() for a in actors])
+    except ray.exceptions.RayTaskError as e:
+        if we_started_ray:
+            ray.shutdown()
+        if isinstance(e.cause, CaptureError):  # e.g. an engine argument vLLM refuses: one line, exit 2
+            raise e.cause from None
+        raise
     pool = ActorPool(actors)
     bar = _progress(cfg)
     rejected: collections.Counter = collections.Counter()

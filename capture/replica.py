@@ -88,8 +88,9 @@ class Replica:
     def __init__(self, model_dir: str, taps: Taps, header: dict, out_dir: str, *, shard_size: int,
                  batch_tokens: int, threads: int | None = None, codec_threads: int = 2,
                  engine: EngineSpec = EngineSpec("hf"), filters: FilterConfig | None = None):
-        self.engine = load_engine(engine, model_dir, taps, argmax=header["argmax"], dtype=header["dtype"],
-                                  threads=threads)
+        self._load = lambda: load_engine(engine, model_dir, taps, argmax=header["argmax"], dtype=header["dtype"],
+                                         threads=threads)
+        self.engine = None  # loaded by start(): a Ray actor's constructor error loses its exception type
         self.hidden_size = header["hidden_size"]
         # vLLM schedules its own batches (max_num_batched_tokens): hand it the whole unit at once
         self.batch_tokens = batch_tokens if engine.name == "hf" else None
@@ -100,6 +101,12 @@ class Replica:
         self._closed: queue.SimpleQueue[ShardInfo] = queue.SimpleQueue()  # writer thread → caller
         self._error: BaseException | None = None
         self._start_writer()
+
+    def start(self) -> str:
+        """Load the engine (minutes for a large target); raises what the engine raises, e.g. CaptureError
+        for engine arguments vLLM refuses. Returns the engine's name."""
+        self.engine = self._load()
+        return self.engine.name
 
     def _start_writer(self) -> None:
         self._thread = threading.Thread(target=self._write_loop, name="shard-writer", daemon=True)

