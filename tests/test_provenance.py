@@ -116,7 +116,7 @@ def test_verify_passes_on_a_clean_run(run_dir):
     assert r.exit_code == 0, r.output
     assert "OK: 2 weight file(s), 1 shard(s) rechecked" in r.output
     j = json.loads(capture_inproc("provenance", "verify", str(run_dir), "--json").output)
-    assert j == {"ok": True, "weights": 2, "shards": 1, "mismatches": []}
+    assert j == {"ok": True, "weights": 2, "shards": 1, "tokenizer": True, "mismatches": []}
 
 
 def test_verify_names_a_shard_with_a_flipped_byte(run_dir, tmp_path):
@@ -145,6 +145,21 @@ def test_verify_names_a_weight_file_with_a_flipped_byte(run_dir, model_copy):
     finally:
         flip_byte(st, 1_000_000)
     assert sha256(st) == recorded["sha256"]
+
+
+def test_verify_names_a_changed_tokenizer(run_dir, model_copy):
+    tok = model_copy / "tokenizer.json"
+    original = tok.read_bytes()
+    data = json.loads(original)
+    data["added_tokens"][0]["content"] += "x"
+    tok.write_text(json.dumps(data))
+    try:
+        r = capture_inproc("provenance", "verify", str(run_dir), "--json")
+        [m] = json.loads(r.output)["mismatches"]
+        assert r.exit_code == 1 and m["kind"] == "tokenizer" and m["path"] == str(model_copy.resolve())
+        assert m["expected"] == load(run_dir)["tokenizer_sha256"] != m["actual"]
+    finally:
+        tok.write_bytes(original)
 
 
 def test_missing_or_invalid_provenance_and_non_runs_exit_2(run_dir, tmp_path):
