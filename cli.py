@@ -252,5 +252,32 @@ def shards_gc(run_dir, dry_run) -> None:
         click.echo(f"{'would remove' if dry_run else 'removed'} {path.name}")
 
 
+@main.group("provenance")
+def provenance_group() -> None:
+    """What a run was made from (provenance.json)."""
+
+
+@provenance_group.command("verify")
+@click.argument("run_dir", type=click.Path())
+@click.option("--json", "as_json", is_flag=True)
+def provenance_verify(run_dir, as_json) -> None:
+    """Recompute every recorded hash: weight files, chat template, every shard. Exit 1 on a mismatch,
+    2 when RUN_DIR holds no run or no valid provenance.json."""
+    import dataclasses
+
+    from provenance.verify import verify
+
+    report = verify(run_dir)
+
+    def render(r):
+        for m in r["mismatches"]:
+            click.echo(f"FAIL {m['kind']} {m['path']}: {m['field']} expected {m['expected']}, actual {m['actual']}")
+        verdict = "OK" if not r["mismatches"] else f"{len(r['mismatches'])} mismatch(es)"
+        click.echo(f"{verdict}: {r['weights']} weight file(s), {r['shards']} shard(s) rechecked")
+
+    _emit({**dataclasses.asdict(report), "ok": report.ok}, as_json, render)
+    sys.exit(0 if report.ok else 1)
+
+
 if __name__ == "__main__":
     main()

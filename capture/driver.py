@@ -30,6 +30,7 @@ from capture.errors import CaptureError
 from capture.regenerate import responses_header
 from capture.targets import Taps, Target, make_taps, model_dir, resolve_target
 from filters import apply_filters, filter_prompt
+import provenance
 from shards import codecs
 from shards import format as shard_format
 from shards import manifest as manifest_mod
@@ -253,6 +254,12 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
                     cfg.out, len(garbage), cfg.out)
     if _free_bytes(cfg.out) < cfg.disk_reserve:
         raise CaptureError(f"only {_free_bytes(cfg.out) / 2**20:.0f} MiB free at {cfg.out}; free some space first")
+    try:
+        record = provenance.start(cfg.out, header=prep.header, model_dir=prep.model_dir,
+                                  dataset=dataclasses.asdict(prep.dataset), filters=_filter_settings(cfg),
+                                  started=started)
+    except OSError as e:
+        raise CaptureError(f"cannot write {provenance.PROVENANCE} in {cfg.out}: {e.strerror}") from None
     summary = Summary(out=cfg.out)
     seen = manifest.token_hashes() if cfg.filters.dedup else set()
     per_token = bytes_per_token(prep.header)
@@ -334,13 +341,15 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
     summary.total_rows = sum(s["rows"] for s in manifest_now.shards)
     summary.total_tokens = sum(s["tokens"] for s in manifest_now.shards)
     summary.seconds = round(time.time() - started, 2)
+    ended = time.time()
     if stop:
+        _finish_provenance(cfg, record, summary, "stopped", ended)
         raise CaptureError(
             f"stopped cleanly: {stop}; {summary.shards} shard(s) committed in this run, nothing half-written. "
             "Free some space and rerun the same command to resume"
         )
     writer.complete({
-        "end_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "end_time": provenance.record.utc_now(ended),
         "dataset": dataclasses.asdict(prep.dataset),
         "limit": cfg.limit,
         "rows_read": summary.rows_read,
@@ -353,11 +362,27 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
         "total_rows": summary.total_rows,
         "total_tokens": summary.total_tokens,
     })
+    _finish_provenance(cfg, record, summary, "complete", ended)
     if summary.total_rows == 0:
         reasons = {**summary.skipped, **summary.rejected}
         detail = ", ".join(f"{k}={v}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])) or "no rows read"
         raise CaptureError(f"no records written: all {summary.rows_read} rows read were dropped ({detail})")
     return summary
+
+
+def _finish_provenance(cfg: RunConfig, record: dict, summary: Summary, status: str, ended: float) -> None:
+    try:
+        provenance.finish(cfg.out, record, status=status, rows_read=summary.rows_read,
+                          rows_committed=summary.committed_rows, shards_committed=summary.shards, ended=ended)
+    except OSError as e:  # a full disk: the shards and the manifest are what counts
+        log.warning("cannot update %s in %s: %s", provenance.PROVENANCE, cfg.out, e.strerror)
+
+
+def _filter_settings(cfg: RunConfig) -> dict:
+    """Every setting that decides which dataset rows become records (for provenance.json)."""
+    return {**dataclasses.asdict(cfg.filters), "limit": cfg.limit, "sources": list(cfg.sources),
+            "exclude_sources": list(cfg.exclude_sources), "source_caps": dict(cfg.source_caps),
+            "alternation": cfg.alternation, "special_text": cfg.special_text, "system_prompt": cfg.system_prompt}
 
 
 def _replica_class():

@@ -25,3 +25,17 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+_ONCE: dict[tuple[str, int, int], str] = {}
+
+
+def sha256_file_once(path: str | os.PathLike) -> str:
+    """:func:`sha256_file`, remembered for this process by (real path, size, mtime in ns): a run hashes each
+    weight file once however many times it asks. Raises OSError when the file cannot be read."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    key = (real, st.st_size, st.st_mtime_ns)
+    if key not in _ONCE:
+        _ONCE[key] = sha256_file(real)
+    return _ONCE[key]

@@ -134,6 +134,8 @@ class Replica:
     def process(self, unit: Sequence[Tokenized] | Sequence[Prompt]) -> UnitResult:
         """Prefill and write one work unit (regenerate mode: generate the answers first); returns the
         shards closed meanwhile and the rejections."""
+        if self.engine is None:
+            raise RuntimeError("Replica.start() loads the engine; call it before process()")
         result = UnitResult([], {}, 0, 0)
         if self.responses["mode"] == "regenerate":
             unit = self._regenerate(unit, result.rejected)

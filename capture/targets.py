@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Literal
 
 from capture.errors import CaptureError
-from capture.hashing import sha256_file
+from capture.hashing import sha256_file_once
 
 Final = Literal["none", "post-norm", "pre-norm"]
 TAP_CONVENTION = "tap k = output of decoder layer k (0-based), before the final norm; HF hidden_states[k+1]; vLLM aux id k+1"
@@ -247,7 +247,7 @@ def model_dir(target: Target, model_path: str | None = None) -> Path:
         return path
     if target.source.startswith("gguf:"):
         gguf = gguf_path(target.source)
-        digest = sha256_file(gguf)
+        digest = sha256_file_once(gguf)
         out = cache_dir() / "models" / f"{target.name}-{digest[:12]}"
         if not (out / "config.json").is_file():
             _convert_gguf(gguf, out, digest)

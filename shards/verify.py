@@ -41,6 +41,32 @@ class Report:
         return not self.problems
 
 
+@dataclasses.dataclass(frozen=True)
+class FileMismatch:
+    """A file that is not what a record says: ``field`` is ``missing``, ``bytes`` or ``sha256``;
+    ``expected``/``actual`` are the recorded and the found values (sizes in bytes, hashes as hex)."""
+
+    path: str
+    field: str
+    expected: str | int | None
+    actual: str | int | None
+
+
+def check_file(path: str | os.PathLike, size: int, sha256: str) -> FileMismatch | None:
+    """Recheck one file against its recorded size (bytes) and SHA-256 (hex), hashing it streamed.
+    Returns None when both match, else the first difference; never raises for a missing file."""
+    path = Path(path)
+    if not path.is_file():
+        return FileMismatch(str(path), "missing", size, None)
+    found = path.stat().st_size
+    if found != size:
+        return FileMismatch(str(path), "bytes", size, found)
+    digest = sha256_file(path)
+    if digest != sha256:
+        return FileMismatch(str(path), "sha256", sha256, digest)
+    return None
+
+
 def verify(run_dir: str | os.PathLike) -> Report:
     """Check the run in ``run_dir``; problems are listed, never raised (a missing manifest is one)."""
     run_dir = Path(run_dir)
@@ -84,14 +110,13 @@ def _check_finish_reasons(reasons: list, header: dict, ids: list[str]) -> list[s
 
 def _verify_shard(run_dir: Path, entry: dict, header: dict) -> list[str]:
     path = run_dir / entry["path"]
-    if not path.is_file():
-        return ["missing"]
-    size = path.stat().st_size
-    if size != entry["bytes"]:
-        return [f"size {size} != manifest {entry['bytes']}"]
-    digest = sha256_file(path)
-    if digest != entry["sha256"]:
-        return [f"sha256 {digest[:16]}… != manifest {entry['sha256'][:16]}…"]
+    bad = check_file(path, entry["bytes"], entry["sha256"])
+    if bad is not None:
+        if bad.field == "missing":
+            return ["missing"]
+        if bad.field == "bytes":
+            return [f"size {bad.actual} != manifest {bad.expected}"]
+        return [f"sha256 {bad.actual[:16]}… != manifest {bad.expected[:16]}…"]
     try:
         table = read_table(path)
         diff = identity_diff(header, read_header(table.schema))

@@ -95,6 +95,7 @@ def test_replica_writes_every_row_once_across_units_and_finishes(smol_dir, recor
                                  hidden_size=576, dtype="bfloat16", codec="bf16-split", argmax=True,
                                  chat_template="", chat_template_sha256="", tokenizer_sha256="")
     replica = Replica(str(smol_dir), taps, header, str(tmp_path), shard_size=1, batch_tokens=256)
+    assert replica.start() == "hf"
     recs = [Tokenized(f"d:{i}", i, "s", ids, np.ones(len(ids), dtype=bool)) for i, ids in enumerate(records)]
     infos = []
     for unit in (recs[:2], recs[2:]):

@@ -123,6 +123,7 @@ def test_every_turn_is_conditioned_on_the_targets_own_answers(tmp_path, smol_dir
     (tmp_path / "run").mkdir()
     replica = Replica(prep.model_dir, prep.taps, prep.header, str(tmp_path / "run"), shard_size=2**30,
                       batch_tokens=1, threads=None, codec_threads=1)
+    replica.start()
     result = replica.process(prompts)
     shards = result.shards + replica.finish()
     assert not result.rejected and sum(s.rows for s in shards) == len(convs)

