@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from capture.errors import CaptureError
+from capture.targets import gguf_path
 from capture.hashing import sha256_file_once
 
 log = logging.getLogger(__name__)
@@ -43,24 +44,27 @@ def utc_now(t: float | None = None) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
-def weight_files(model_dir: str | os.PathLike) -> list[tuple[str, Path]]:
+def weight_files(model_dir: str | os.PathLike, target_source: str | None = None) -> list[tuple[str, Path]]:
     """``(role, path)`` of every weight file an engine loads from ``model_dir``: ``source`` for the GGUF a
-    converted folder was made from (named by its ``capture-source.json``), ``weights`` for the folder's
-    ``*.safetensors`` (``*.bin`` when it has none), sorted by name."""
+    converted folder was made from (the folder has a ``capture-source.json``; the GGUF is the one this
+    environment resolves for ``target_source`` = ``gguf:<module>/<file>``, else the path recorded at
+    conversion), ``weights`` for the folder's ``*.safetensors`` (``*.bin`` when it has none), by name."""
     model_dir = Path(model_dir)
     files: list[tuple[str, Path]] = []
     source = model_dir / SOURCE_FILE
     if source.is_file():
-        files.append(("source", Path(json.loads(source.read_text())["gguf"])))
+        gguf = (gguf_path(target_source) if target_source and target_source.startswith("gguf:")
+                else Path(json.loads(source.read_text())["gguf"]))
+        files.append(("source", gguf))
     weights = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
     return files + [("weights", p) for p in weights]
 
 
-def hash_weights(model_dir: str | os.PathLike) -> list[dict]:
+def hash_weights(model_dir: str | os.PathLike, target_source: str | None = None) -> list[dict]:
     """``[{role, path, bytes, sha256}]`` for :func:`weight_files`, absolute paths, each file streamed once
     per process. Raises CaptureError when a weight file cannot be read."""
     out = []
-    for role, path in weight_files(model_dir):
+    for role, path in weight_files(model_dir, target_source):
         try:
             out.append({"role": role, "path": str(path.resolve()), "bytes": path.stat().st_size,
                         "sha256": sha256_file_once(path)})
@@ -134,8 +138,10 @@ def start(run_dir: str | os.PathLike, *, header: dict, model_dir: str, dataset: 
     and appends an invocation. ``header`` is the run header (target, taps, hashes, engine, responses).
     Raises CaptureError when a weight file cannot be read or an existing record is invalid.
     """
-    current = {"model_dir": str(Path(model_dir).resolve()), "weights": hash_weights(model_dir),
-               "engine": {**(header.get("engine") or {}), "version": header.get("engine_version")}, "code": code_version(), "dataset": dataset, "filters": filters}
+    current = {"model_dir": str(Path(model_dir).resolve()),
+               "weights": hash_weights(model_dir, (header.get("target") or {}).get("source")),
+               "engine": {**(header.get("engine") or {}), "version": header.get("engine_version")},
+               "code": code_version(), "dataset": dataset, "filters": filters}
     invocation = {"start_time": utc_now(started), "end_time": None, "status": "running", "rows_read": None,
                   "rows_committed": 0, "shards_committed": 0}
     if (Path(run_dir) / PROVENANCE).exists():
