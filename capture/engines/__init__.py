@@ -93,13 +93,21 @@ def engine_spec(name: str, vllm_path: str, vllm_args: dict[str, Any], model_conf
     if name != "vllm":
         return EngineSpec(name)
     check_vllm_args(vllm_args)
+    return EngineSpec(name, resolve_vllm_path(vllm_path, model_config), tuple(vllm_args.items()))
+
+
+def resolve_vllm_path(path: str, model_config: dict) -> str:
+    """``auto`` → ``hooks`` for MLA targets, else ``extract``; raises CaptureError for ``extract`` on an
+    MLA target or an unknown path."""
+    if path not in ("auto", "extract", "hooks"):
+        raise CaptureError(f"--vllm-path {path!r}: not one of auto, extract, hooks")
     mla = uses_mla(model_config)
-    if vllm_path == "extract" and mla:
+    if path == "extract" and mla:
         raise CaptureError("--vllm-path extract: this target uses MLA attention, which vLLM's extract_hidden_states "
                            "does not support; use --vllm-path hooks (or auto)")
-    if vllm_path == "auto":
-        vllm_path = "hooks" if mla else "extract"
-    return EngineSpec(name, vllm_path, tuple(vllm_args.items()))
+    if path == "auto":
+        return "hooks" if mla else "extract"
+    return path
 
 
 def load_engine(spec: EngineSpec, model_dir: str, taps: Taps, *, argmax: bool, dtype: str,

@@ -37,14 +37,13 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from capture.engines import uses_mla
+from capture.engines import resolve_vllm_path
 from capture.engines.base import Captured, Generated, Sampling
 from capture.errors import CaptureError
 from capture.targets import Taps
 
 log = logging.getLogger(__name__)
 
-PATHS = ("auto", "extract", "hooks")
 _FORCED = {"enable_prefix_caching": False}
 
 
@@ -106,14 +105,7 @@ class VLLMEngine:
         self.want_argmax = argmax
         self.model_config = json.loads((Path(model_dir) / "config.json").read_text())
         self.num_layers = int(self.model_config["num_hidden_layers"])
-        if path not in PATHS:
-            raise CaptureError(f"vllm path {path!r}: not one of {', '.join(PATHS)}")
-        if path == "auto":
-            path = "hooks" if uses_mla(self.model_config) else "extract"
-        elif path == "extract" and uses_mla(self.model_config):
-            raise CaptureError("vllm path extract: this target uses MLA attention, which vLLM's "
-                               "extract_hidden_states does not support; use path hooks (or auto)")
-        self.path = path
+        self.path = path = resolve_vllm_path(path, self.model_config)
         self.ids, self.rows = aux_ids(taps, self.num_layers)
         self._norm = final_norm(model_dir, self.model_config) if taps.final == "post-norm" else None
 
