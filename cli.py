@@ -279,5 +279,27 @@ def provenance_verify(run_dir, as_json) -> None:
     sys.exit(0 if report.ok else 1)
 
 
+@main.command()
+@click.argument("run_dir", type=click.Path())
+@click.option("--reference", required=True,
+              help="The public dataset: a local .json/.jsonl/.parquet/.arrow file, `sharegpt`, or a hub id.")
+@click.option("--source-column", default="source", show_default=True, help="The reference's source column.")
+@click.option("--split", default="train", show_default=True, help="Reference split (hub datasets).")
+@click.option("--model-path", type=click.Path(), help="The run's tokenizer folder (default: from provenance.json).")
+@click.option("--max-diagnoses", default=1000, show_default=True, help="Unmatched rows diagnosed at most.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of Markdown.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def audit(run_dir, reference, source_column, split, model_path, max_diagnoses, as_json, no_progress) -> None:
+    """Match every captured conversation token by token against the public dataset: exact, truncated,
+    regenerated, engine-made and unmatched rows (diagnosed), per-source tables, reference rows never
+    captured, greedy agreement. Markdown for a model card, or --json. Exit 1 when any row is unmatched."""
+    from provenance.audit import as_json as to_json, audit as run_audit, markdown
+
+    report = run_audit(run_dir, reference, source_column=source_column, split=split, model_path=model_path,
+                       max_diagnoses=max_diagnoses, progress=not no_progress)
+    click.echo(to_json(report) if as_json else markdown(report))
+    sys.exit(0 if report.ok else 1)
+
+
 if __name__ == "__main__":
     main()

@@ -158,6 +158,20 @@ class ChatEncoder:
             mask[start : ends[-1] + 1] = True
         return Tokenized(conv.sample_id, conv.row_index, conv.source, np.asarray(ids, dtype=np.int32), mask)
 
+    def message_starts(self, conv: Conversation) -> list[tuple[str, int]]:
+        """``(role, first token)`` of every rendered message of ``conv`` (the system turn, given or
+        ``system_prompt``, first), as indices into :meth:`encode`'s ``input_ids``: message i starts at the
+        first token at or after the end of the rendering of ``messages[:i]``. For diagnoses (``capture
+        audit``): a template that breaks the prefix property there gives the nearest token, not an error."""
+        messages = self._messages(conv)
+        text = self._render(messages, generation_prompt=False)
+        _, starts, _ = self._tokenize(text)
+        out = []
+        for i, m in enumerate(messages):
+            end = len(self._render(messages[:i], generation_prompt=False)) if i else 0
+            out.append((m["role"], next((j for j, s in enumerate(starts) if s >= end), len(starts))))
+        return out
+
     def _has_special_text(self, conv: Conversation, specials: tuple[str, ...]) -> bool:
         return self.special_text == "drop" and any(s in content for _, content in conv.messages for s in specials)
 

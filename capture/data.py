@@ -147,10 +147,12 @@ def iter_conversations(
     exclude_sources: Collection[str] = (),
     source_caps: Mapping[str, int] | None = None,
     alternation: Alternation = "normalize",
+    source_column: str = "source",
 ) -> Iterator[Conversation]:
     """Yield the dataset's rows as normalized :class:`Conversation` objects, streaming.
 
-    ``limit`` caps the raw rows read (before any filter or skip). Each row read is either yielded or
+    ``limit`` caps the raw rows read (before any filter or skip). ``source_column`` names the column
+    that gives a row's source (Open-PerfectBlend: ``source``). Each row read is either yielded or
     skipped with exactly one reason, counted in ``stats.skipped`` and logged at DEBUG:
 
     * ``source_not_selected`` / ``source_excluded``: filtered by ``sources`` / ``exclude_sources``;
@@ -192,7 +194,7 @@ def iter_conversations(
     for row_index, row in enumerate(itertools.islice(_iter_rows(ref, stats), limit)):
         stats.rows_read += 1
         sample_id = f"{ref.name}:{row_index}"
-        src = row.get("source") if isinstance(row, dict) else None
+        src = row.get(source_column) if isinstance(row, dict) else None
         src = src if isinstance(src, str) and src else ref.name
         if sources and src not in sources:
             reason = "source_not_selected"
