@@ -18,7 +18,9 @@ Two tables, each a pair of numpy arrays sorted by key:
   candidate for a diagnosis.
 
 Memory model: 12 bytes (uint64 key + uint32 row) per distinct prefix key and per row in ``whole``, plus 3
-bytes per reference row (source id, captured flag). A row of T tokens and k answers adds at most
+bytes per reference row (source id, captured flag), on top of the imports and tokenizer and the
+transient tokenization of one row (the chat encoder's offset maps: measured ~375 bytes per token of the
+longest row, 87 MB for ShareGPT's longest, 231k tokens). A row of T tokens and k answers adds at most
 ``2k + log2(T/4) + 2`` prefix keys, fewer once shared prefixes (a system prompt) are merged; pending keys
 are merged into the sorted tables every :data:`COMPACT_EVERY` keys, so the peak is the tables plus one
 pending batch. ``bench/audit.out`` measures it. With 64-bit keys the chance that two different sequences
@@ -89,6 +91,7 @@ class ReferenceIndex:
     skipped: dict[str, int]  # reason -> rows that never became a tokenized conversation
     truncated: str | None  # the reference file ends mid-record (message)
     tokens: int
+    longest: int  # tokens of the longest row (its tokenization is the largest transient allocation)
     peak_index_bytes: int  # largest size of the key tables plus pending keys while building
 
     def whole(self, key: int) -> np.ndarray:
@@ -128,7 +131,7 @@ def build(ref: DatasetRef, encoder: ChatEncoder, *, alternation: str = "normaliz
     row_source = array.array("H")
     tokenized = array.array("b")
     skipped: collections.Counter = collections.Counter()
-    tokens, peak = 0, 0
+    tokens, peak, longest = 0, 0, 0
 
     def compact():
         nonlocal table_k, table_r, pend_k, pend_r
@@ -162,6 +165,7 @@ def build(ref: DatasetRef, encoder: ChatEncoder, *, alternation: str = "normaliz
             continue
         tokenized.append(1)
         tokens += rec.num_tokens
+        longest = max(longest, rec.num_tokens)
         keys = prefix_keys(rec.input_ids, cut_points(rec.loss_mask, extra))
         whole_k.append(keys[rec.num_tokens])
         whole_r.append(conv.row_index)
@@ -180,6 +184,6 @@ def build(ref: DatasetRef, encoder: ChatEncoder, *, alternation: str = "normaliz
         whole_keys=wk[order], whole_rows=wr[order], prefix_keys=table_k, prefix_rows=table_r,
         sources=list(sources), row_source=np.frombuffer(row_source, np.uint16).copy(),
         tokenized=np.frombuffer(tokenized, np.int8).astype(bool), rows_read=stats.rows_read,
-        skipped=dict(skipped), truncated=stats.truncated, tokens=tokens,
+        skipped=dict(skipped), truncated=stats.truncated, tokens=tokens, longest=longest,
         peak_index_bytes=max(peak, table_k.nbytes + table_r.nbytes + wk.nbytes + wr.nbytes),
     )
