@@ -17,11 +17,12 @@ States keep the run's dtype (bf16; fp16 for engines that give fp16): each cell i
 machine: the manifest's committed shards (snapshot taken at construction), in commit order or, with
 ``shuffle=True``, permuted by ``(seed, epoch)``; each shard's rows in stored order; rows outside the
 ``split`` removed; then, with ``shuffle=True``, a seeded shuffle buffer of ``shuffle_buffer`` entries
-(a row moves at most about that many places, so a reader keeps only a few shards open).
+(a row comes out at most that many places early, and rarely much later, so a reader keeps only a few
+shards open).
 
 **Ranks and workers.** Entry ``g`` of the global order belongs to rank ``g % world_size`` as its
-rank-local position ``j = g // world_size``; DataLoader worker ``j % num_workers`` of that rank reads
-it. Every entry is read exactly once per epoch. When the entries do not divide evenly, the first
+rank-local position ``j = g // world_size``; DataLoader worker ``(j - position) % num_workers`` of that rank reads
+it (counting from the resume position). Every entry is read exactly once per epoch. When the entries do not divide evenly, the first
 ``n % world_size`` ranks get one more sample (nothing is dropped); ``drop_last=True`` instead cuts the
 order to a multiple of ``world_size`` (dropping at most ``world_size - 1`` entries of the epoch's order).
 A ``DataLoader(stream, batch_size=None, num_workers=W)`` hands samples out in rank-local order (it takes
@@ -246,7 +247,7 @@ class ShardStream(IterableDataset):
             if g % self.world_size != self.rank:
                 continue
             j = g // self.world_size
-            if j < start or j % workers != wid:
+            if j < start or (j - start) % workers != wid:  # the DataLoader asks worker 0 first
                 continue
             sample = self.sample(tables.get(path), row)
             self._next = j + 1
