@@ -75,7 +75,14 @@ def export(run: str | os.PathLike, out: str | os.PathLike, fmt: str, *, split: s
         features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
                                       "loss_mask": datasets.Sequence(datasets.Value("bool")),
                                       "seq_len": datasets.Value("int64"), "sample_id": datasets.Value("string")})
-        datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(out))
+        bars = datasets.utils.is_progress_bar_enabled()
+        if not progress:
+            datasets.utils.disable_progress_bars()
+        try:
+            datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(out))
+        finally:
+            if bars:
+                datasets.utils.enable_progress_bars()
     layers = list(stream.taps_layers)
     record = {
         "format": fmt, "run": str(run), "split": split, "heldout_fraction": heldout_fraction,
