@@ -32,8 +32,9 @@ one item from each worker in turn); pack them in the main process with :func:`sh
 rank's samples consumed in the epoch; after :meth:`ShardStream.load_state_dict` the stream yields
 exactly the rest of the epoch, in the same order, for any number of workers. Iterated in the calling
 process, the stream counts what it yielded; behind DataLoader workers, the trainer passes the count
-(``state_dict(consumed=n)``, e.g. the sum of ``len(batch["sample_ids"])``). Call
-:meth:`ShardStream.set_epoch` at the start of each epoch (it resets ``position`` to 0).
+(``state_dict(consumed=n)``, e.g. the sum of ``len(batch["sample_ids"])`` since the epoch or resume
+began). Call :meth:`ShardStream.set_epoch` at the start of each epoch (a new epoch starts at position 0;
+the loaded epoch keeps its position).
 
 **Tail mode** (``tail=True``) follows a run a capture is still writing: it polls ``manifest.jsonl`` every
 ``poll_s`` seconds, reads each newly committed shard line (a torn last line is not committed), and stops
@@ -272,8 +273,11 @@ class ShardStream(IterableDataset):
     # ---------------------------------------------------------------- epochs and resume
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning (the shuffle depends on ``(seed, epoch)``)."""
-        self.epoch, self.position, self._next = int(epoch), 0, 0
+        """Iterate ``epoch`` next (the shuffle depends on ``(seed, epoch)``), from its beginning; the
+        current epoch keeps its resume position, so ``for e in range(state["epoch"], n): set_epoch(e)``
+        continues a loaded state."""
+        if int(epoch) != self.epoch:
+            self.epoch, self.position, self._next = int(epoch), 0, 0
 
     def state_dict(self, consumed: int | None = None) -> dict:
         """What :meth:`load_state_dict` needs to continue exactly: ``epoch`` and ``position`` (this rank's
