@@ -252,6 +252,23 @@ def shards_gc(run_dir, dry_run) -> None:
         click.echo(f"{'would remove' if dry_run else 'removed'} {path.name}")
 
 
+@main.command("export")
+@click.argument("run_dir", type=click.Path())
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--format", "fmt", required=True, type=click.Choice(["specforge", "speculators"]),
+              help="specforge: rows_*/data_{i}.ckpt (torch.save); speculators: hidden_states/hs_{i}.safetensors + HF dataset.")
+@click.option("--split", default="all", show_default=True, type=click.Choice(["all", "train", "heldout"]),
+              help="Rows by sample_id hash (shards.stream.in_split).")
+@click.option("--heldout-fraction", default=0.01, show_default=True, type=float)
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def export_cmd(run_dir, out, fmt, split, heldout_fraction, no_progress) -> None:
+    """Write RUN_DIR's samples as another trainer's per-sample files into OUT (a new folder)."""
+    from shards.export import export
+
+    r = export(run_dir, out, fmt, split=split, heldout_fraction=heldout_fraction, progress=not no_progress)
+    click.echo(f"{r['out']}: {r['samples']} samples, {r['tokens']:,} tokens as {r['format']} files")
+
+
 @main.group("provenance")
 def provenance_group() -> None:
     """What a run was made from (provenance.json)."""

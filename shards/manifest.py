@@ -64,7 +64,12 @@ def read(run_dir: str | os.PathLike) -> Manifest:
     path = Path(run_dir) / MANIFEST
     if not path.exists():
         return Manifest(None, [], [], 0)
-    data = path.read_bytes()
+    return parse(path.read_bytes(), str(path))
+
+
+def parse(data: bytes, path: str = MANIFEST) -> Manifest:
+    """Parse the bytes of a manifest (read from any file system); ``path`` names it in errors.
+    Raises CaptureError as :func:`read` does."""
     end = data.rfind(b"\n") + 1  # everything after the last newline is a torn, uncommitted line
     header, shards, completions, datasets = None, [], [], []
     kind = None

@@ -72,3 +72,14 @@ def small_disk(path: Path, size: str):
         yield path
     finally:
         subprocess.run(["umount", "--lazy", str(path)], check=False, timeout=30)  # Ray workers may still be exiting
+
+
+@pytest.fixture(scope="session")
+def reader_run(tmp_path_factory, smol_dir) -> Path:
+    """A real run for the reader tests: the first 60 ShareGPT rows (~40 kept) through SmolLM2 (taps 3/15/27, post-norm final,
+    argmax), truncated to 256 tokens, in several small shards (~20 s on 2 cores)."""
+    out = tmp_path_factory.mktemp("reader") / "run"
+    capture_cli("run", "--target", "smollm2-135m", "--dataset", "sharegpt", "--layers", "3,15,27", "--final",
+                "post-norm", "--limit", "60", "--max-tokens", "256", "--overlength", "truncate", "--unit-tokens",
+                "2048", "--shard-size", "2MiB", "--out", str(out), "--no-progress", check=True)
+    return out

@@ -1,0 +1,385 @@
+"""Stream a run's committed rows into training: a torch ``IterableDataset`` over the shards.
+
+Per sample (the contract a drafter trainer relies on)::
+
+    {"sample_id": str, "source": str,
+     "input_ids": int64 [T], "loss_mask": bool [T],
+     "argmax": int64 [T]            (if the run stored it),
+     "taps": bf16 [T, L, H]         (the tap_<k> columns stacked in header order; ids in ShardStream.taps_layers),
+     "final": bf16 [T, H]           (if the run stored it; ShardStream.final_kind says post-norm or pre-norm)}
+
+States keep the run's dtype (bf16; fp16 for engines that give fp16): each cell is decoded by
+:func:`shards.reader.state_tensor` straight from the Arrow buffer, never widened to float32.
+``taps[:, i]`` is tap ``taps_layers[i]``, the output of 0-based decoder layer ``taps_layers[i]`` (HF
+``hidden_states[k+1]``, vLLM aux id ``k+1``; see README "Layer convention").
+
+**Global order.** Each epoch has one deterministic order of ``(shard, row)`` entries, the same on every
+machine: the manifest's committed shards (snapshot taken at construction), in commit order or, with
+``shuffle=True``, permuted by ``(seed, epoch)``; each shard's rows in stored order; rows outside the
+``split`` removed; then, with ``shuffle=True``, a seeded shuffle buffer of ``shuffle_buffer`` entries
+(a row comes out at most that many places early, and rarely much later, so a reader keeps only a few
+shards open).
+
+**Ranks and workers.** Entry ``g`` of the global order belongs to rank ``g % world_size`` as its
+rank-local position ``j = g // world_size``; DataLoader worker ``(j - position) % num_workers`` of that rank reads
+it (counting from the resume position). Every entry is read exactly once per epoch. When the entries do not divide evenly, the first
+``n % world_size`` ranks get one more sample (nothing is dropped); ``drop_last=True`` instead cuts the
+order to a multiple of ``world_size`` (dropping at most ``world_size - 1`` entries of the epoch's order).
+A ``DataLoader(stream, batch_size=None, num_workers=W)`` hands samples out in rank-local order (it takes
+one item from each worker in turn); pack them in the main process with :func:`shards.pack.pack`.
+
+**Resume.** :meth:`ShardStream.state_dict` records ``epoch`` and ``position``, the number of this
+rank's samples consumed in the epoch; after :meth:`ShardStream.load_state_dict` the stream yields
+exactly the rest of the epoch, in the same order, for any number of workers. Iterated in the calling
+process, the stream counts what it yielded; behind DataLoader workers, the trainer passes the count
+(``state_dict(consumed=n)``, e.g. the sum of ``len(batch["sample_ids"])`` since the epoch or resume
+began). Call :meth:`ShardStream.set_epoch` at the start of each epoch (a new epoch starts at position 0;
+the loaded epoch keeps its position).
+
+**Tail mode** (``tail=True``) follows a run a capture is still writing: it polls ``manifest.jsonl`` every
+``poll_s`` seconds, reads each newly committed shard line (a torn last line is not committed), and stops
+when the manifest's last line is a completion record and every committed shard is read. Shards come in
+commit order (shard permutation needs the whole list; the shuffle buffer still applies). ``timeout_s``:
+raise CaptureError when no new commit arrives for that long. ``drop_last`` needs the total and is
+refused in tail mode.
+
+**Remote runs.** ``filesystem`` is any ``pyarrow.fs.FileSystem`` (S3, GCS, HDFS, ...) and ``run`` a path
+on it. A shard is an Arrow IPC *stream* (no random access), so a reader fetches each shard it touches
+whole (at most ``open_shards`` held at once); local runs are memory-mapped and only the touched rows are
+paged in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from capture.errors import CaptureError
+from shards import manifest as manifest_mod
+from shards.format import FormatError, read_header
+from shards.reader import read_table, state_tensor
+
+SPLITS = ("train", "heldout", "all")
+
+
+def heldout_score(sample_id: str) -> float:
+    """A number in [0, 1) fixed by the sample id alone: the first 8 bytes of SHA-256(utf-8 id), big-endian,
+    over 2**64. Stable across runs, machines and Python versions."""
+    return int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "big") / 2**64
+
+
+def in_split(sample_id: str, split: str, heldout_fraction: float) -> bool:
+    """Whether ``sample_id`` belongs to ``split``: ``heldout`` is ``heldout_score < heldout_fraction``,
+    ``train`` the rest, ``all`` everything. Raises CaptureError for another split name."""
+    if split == "all":
+        return True
+    if split not in SPLITS:
+        raise CaptureError(f"unknown split {split!r}; one of {', '.join(SPLITS)}")
+    return (heldout_score(sample_id) < heldout_fraction) == (split == "heldout")
+
+
+@dataclass(frozen=True)
+class RunSource:
+    """Where a run folder lives: a local path (``filesystem`` None: memory-mapped reads) or a path on a
+    ``pyarrow.fs.FileSystem``."""
+
+    path: str
+    filesystem: pafs.FileSystem | None = None
+
+    def manifest(self) -> manifest_mod.Manifest:
+        """The parsed manifest (empty when there is none yet). Raises CaptureError for a damaged one."""
+        if self.filesystem is None:
+            return manifest_mod.read(self.path)
+        name = f"{self.path.rstrip('/')}/{manifest_mod.MANIFEST}"
+        try:
+            with self.filesystem.open_input_stream(name) as f:
+                data = f.read()
+        except FileNotFoundError:
+            return manifest_mod.Manifest(None, [], [], 0)
+        return manifest_mod.parse(data, name)
+
+    def table(self, shard: str) -> pa.Table:
+        """One committed shard as a table. Raises FormatError for an unreadable shard."""
+        if self.filesystem is None:
+            return read_table(Path(self.path) / shard)
+        name = f"{self.path.rstrip('/')}/{shard}"
+        try:
+            with self.filesystem.open_input_file(name) as f:
+                table = pa.ipc.open_stream(f).read_all()
+        except (OSError, pa.ArrowInvalid) as e:
+            raise FormatError(f"cannot read shard {name}: {e}") from None
+        read_header(table.schema)
+        return table
+
+
+class ShardStream(IterableDataset):
+    """Samples of a run folder (see the module docstring for order, sharding, resume and tail mode).
+
+    ``run``: the run folder (a local path, or a path on ``filesystem``). ``split``: ``train``,
+    ``heldout`` or ``all`` by :func:`in_split` with ``heldout_fraction``. ``layers``: the taps to return
+    (default all, in header order). ``final``: return the final state when the run stored it. ``rank``,
+    ``world_size``: default from ``torch.distributed`` when initialized, else 0 and 1.
+
+    Raises CaptureError for a folder without a run (outside tail mode), a tap the run lacks, a bad split,
+    fraction, rank or option combination.
+    """
+
+    def __init__(self, run: str | os.PathLike, *, filesystem: pafs.FileSystem | None = None,
+                 split: str = "all", heldout_fraction: float = 0.01, layers: Sequence[int] | None = None,
+                 final: bool = True, shuffle: bool = False, seed: int = 0, shuffle_buffer: int = 1024,
+                 rank: int | None = None, world_size: int | None = None, drop_last: bool = False,
+                 tail: bool = False, poll_s: float = 1.0, timeout_s: float | None = None, open_shards: int = 4):
+        if split not in SPLITS:
+            raise CaptureError(f"unknown split {split!r}; one of {', '.join(SPLITS)}")
+        if not 0.0 <= heldout_fraction <= 1.0:
+            raise CaptureError(f"heldout_fraction must be in [0, 1], got {heldout_fraction}")
+        if shuffle_buffer < 1 or open_shards < 1:
+            raise CaptureError("shuffle_buffer and open_shards must be at least 1")
+        if tail and drop_last:
+            raise CaptureError("drop_last needs the run's total, which tail mode does not know until the end")
+        self.source = RunSource(str(run), filesystem)
+        self.split, self.heldout_fraction = split, heldout_fraction
+        self.shuffle, self.seed, self.shuffle_buffer = shuffle, seed, shuffle_buffer
+        self.rank, self.world_size = _rank(rank, world_size)
+        self.drop_last, self.tail, self.poll_s, self.timeout_s = drop_last, tail, poll_s, timeout_s
+        self.open_shards = open_shards
+        self.epoch, self.position, self._next = 0, 0, 0
+
+        manifest = self._wait_for_header() if tail else self.source.manifest()
+        if manifest.header is None:
+            raise CaptureError(f"{run} holds no capture run (no {manifest_mod.MANIFEST} with a header)")
+        self.header = manifest.header
+        self._shards = [] if tail else list(manifest.shards)
+        taps = [int(c.removeprefix("tap_")) for c in self.header["columns"] if c.startswith("tap_")]
+        wanted = taps if layers is None else [int(k) for k in layers]
+        missing = [k for k in wanted if k not in taps]
+        if missing or not wanted:
+            raise CaptureError(f"no tap(s) {missing or wanted} in this run; it stored taps {taps}")
+        self.taps_layers: tuple[int, ...] = tuple(wanted)
+        self.final_kind: str | None = (self.header["taps"].get("final") if final and "final" in self.header["columns"]
+                                       else None)
+        self.has_argmax: bool = bool(self.header["argmax"])
+
+    # ---------------------------------------------------------------- order
+
+    def _wait_for_header(self) -> manifest_mod.Manifest:
+        start = time.monotonic()
+        while True:
+            manifest = self.source.manifest()
+            if manifest.header is not None:
+                return manifest
+            if self.timeout_s is not None and time.monotonic() - start > self.timeout_s:
+                return manifest
+            time.sleep(self.poll_s)
+
+    def _committed(self) -> Iterator[dict]:
+        """Shard lines of the epoch: the snapshot, or (tail) every line as it is committed."""
+        if not self.tail:
+            yield from self._shards
+            return
+        seen, last_new = 0, time.monotonic()
+        while True:
+            manifest = self.source.manifest()
+            new = manifest.shards[seen:]
+            yield from new
+            seen += len(new)
+            if new:
+                last_new = time.monotonic()
+            elif manifest.complete:
+                return
+            elif self.timeout_s is not None and time.monotonic() - last_new > self.timeout_s:
+                raise CaptureError(f"tail: no new shard committed to {self.source.path} for {self.timeout_s:g} s "
+                                   "and no completion record")
+            else:
+                time.sleep(self.poll_s)
+
+    def _entries(self, epoch: int) -> Iterator[tuple[str, int, str]]:
+        """The epoch's global order of ``(shard path, row, sample_id)`` (before rank sharding)."""
+        shards = self._committed()
+        if self.shuffle and not self.tail:
+            shards = list(shards)
+            random.Random(f"{self.seed}:{epoch}:shards").shuffle(shards)
+        rows = ((s["path"], i, sid) for s in shards for i, sid in enumerate(s["sample_ids"])
+                if in_split(sid, self.split, self.heldout_fraction))
+        if self.shuffle:
+            rows = _buffer_shuffle(rows, self.shuffle_buffer, random.Random(f"{self.seed}:{epoch}:buffer"))
+        if self.drop_last:
+            rows = list(rows)
+            rows = rows[: len(rows) - len(rows) % self.world_size]
+        return rows
+
+    def order(self, epoch: int | None = None) -> list[str]:
+        """The sample ids this rank yields in ``epoch`` (default the current one), from position 0; no
+        shard is read (tail mode: waits for the run's completion)."""
+        epoch = self.epoch if epoch is None else epoch
+        return [sid for g, (_, _, sid) in enumerate(self._entries(epoch)) if g % self.world_size == self.rank]
+
+    def __len__(self) -> int:
+        """Samples of this rank in one epoch (not defined in tail mode: TypeError)."""
+        if self.tail:
+            raise TypeError("a tail-mode ShardStream has no length until its run completes")
+        n = sum(1 for s in self._shards for sid in s["sample_ids"] if in_split(sid, self.split, self.heldout_fraction))
+        if self.drop_last:
+            n -= n % self.world_size
+        return n // self.world_size + (1 if self.rank < n % self.world_size else 0)
+
+    # ---------------------------------------------------------------- iteration
+
+    def __iter__(self) -> Iterator[dict]:
+        worker = get_worker_info()
+        wid, workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        start = self.position
+        self._next = start
+        tables = _TableCache(self.source, self.open_shards)
+        for g, (path, row, _) in enumerate(self._entries(self.epoch)):
+            if g % self.world_size != self.rank:
+                continue
+            j = g // self.world_size
+            if j < start or (j - start) % workers != wid:  # the DataLoader asks worker 0 first
+                continue
+            sample = self.sample(tables.get(path), row)
+            self._next = j + 1
+            yield sample
+
+    def sample(self, table: pa.Table, row: int) -> dict:
+        """Row ``row`` of a shard table as a sample dict (the module docstring's contract)."""
+        ids = table.column("input_ids")[row].values
+        out = {
+            "sample_id": table.column("sample_id")[row].as_py(),
+            "source": table.column("source")[row].as_py(),
+            "input_ids": torch.from_numpy(ids.to_numpy().astype(np.int64)),
+            "loss_mask": torch.from_numpy(table.column("loss_mask")[row].values.to_numpy(zero_copy_only=False)),
+        }
+        if self.has_argmax:
+            out["argmax"] = torch.from_numpy(table.column("argmax")[row].values.to_numpy().astype(np.int64))
+        out["taps"] = torch.stack([state_tensor(table, f"tap_{k}", row) for k in self.taps_layers], dim=1)
+        if self.final_kind is not None:
+            out["final"] = state_tensor(table, "final", row)
+        return out
+
+    # ---------------------------------------------------------------- epochs and resume
+
+    def set_epoch(self, epoch: int) -> None:
+        """Iterate ``epoch`` next (the shuffle depends on ``(seed, epoch)``), from its beginning; the
+        current epoch keeps its resume position, so ``for e in range(state["epoch"], n): set_epoch(e)``
+        continues a loaded state."""
+        if int(epoch) != self.epoch:
+            self.epoch, self.position, self._next = int(epoch), 0, 0
+
+    def state_dict(self, consumed: int | None = None) -> dict:
+        """What :meth:`load_state_dict` needs to continue exactly: ``epoch`` and ``position`` (this rank's
+        samples consumed in the epoch: the resume point plus ``consumed`` when given, else what this
+        object yielded in the calling process), plus the settings that fix the order, which a resume
+        checks."""
+        position = self._next if consumed is None else self.position + int(consumed)
+        return {"epoch": self.epoch, "position": position, "rank": self.rank, "world_size": self.world_size,
+                **self._order_settings()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (see :meth:`state_dict`). Raises CaptureError when this stream's order
+        would differ: other seed, shuffle, split, world size, rank or committed shards."""
+        mine = {"rank": self.rank, "world_size": self.world_size, **self._order_settings()}
+        diff = [k for k in mine if k in state and state[k] != mine[k] and k != "shards"]
+        if diff:
+            raise CaptureError(f"saved stream state differs in {', '.join(diff)}; it cannot resume this stream")
+        if not self.tail:
+            n = state["shards"]["count"]
+            if n > len(self._shards) or _fingerprint(self._shards[:n]) != state["shards"]["fingerprint"]:
+                raise CaptureError("the run's committed shards do not start with the ones this state was saved over")
+            self._shards = self._shards[:n]
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._next = self.position
+
+    def _order_settings(self) -> dict:
+        shards = None if self.tail else {"count": len(self._shards), "fingerprint": _fingerprint(self._shards)}
+        return {"seed": self.seed, "shuffle": self.shuffle, "shuffle_buffer": self.shuffle_buffer,
+                "split": self.split, "heldout_fraction": self.heldout_fraction, "drop_last": self.drop_last,
+                "tail": self.tail, "shards": shards}
+
+
+def _rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is None and world_size is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    rank, world_size = rank or 0, world_size or 1
+    if not 0 <= rank < world_size:
+        raise CaptureError(f"rank {rank} is not in [0, world_size={world_size})")
+    return rank, world_size
+
+
+def _fingerprint(shards: list[dict]) -> str:
+    return hashlib.sha256(json.dumps([s["sha256"] for s in shards]).encode()).hexdigest()[:16]
+
+
+def _buffer_shuffle(items, size: int, rng: random.Random):
+    """A bounded shuffle: keep ``size`` items, emit a random one as each new item arrives, then the rest
+    in random order. Deterministic for a given ``rng`` state and input order."""
+    buffer = []
+    for item in items:
+        if len(buffer) < size:
+            buffer.append(item)
+            continue
+        i = rng.randrange(size)
+        yield buffer[i]
+        buffer[i] = item
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+class _TableCache:
+    """The last ``size`` shard tables a reader touched (an LRU; one per iterator, never shared)."""
+
+    def __init__(self, source: RunSource, size: int):
+        self.source, self.size, self.tables = source, size, OrderedDict()
+
+    def get(self, path: str) -> pa.Table:
+        if path in self.tables:
+            self.tables.move_to_end(path)
+        else:
+            self.tables[path] = self.source.table(path)
+            while len(self.tables) > self.size:
+                self.tables.popitem(last=False)
+        return self.tables[path]
+
+
+def hf_dataset(run: str | os.PathLike, *, split: str = "all", heldout_fraction: float = 0.01,
+               columns: Sequence[str] | None = None):
+    """The run's rows as a Hugging Face ``datasets.Dataset`` (zero-copy over the memory-mapped shards):
+    by default every column but the states (``sample_id``, ``source``, ``row_index``, ``input_ids``,
+    ``loss_mask``, ``argmax``, ``num_tokens``, ...), in manifest order, filtered by ``split`` as
+    :func:`in_split`. A state column may be named in ``columns``: it comes as the encoded cell bytes
+    (decode with :func:`shards.codecs.decode`); for decoded states use :class:`ShardStream`.
+    Local runs only. Raises CaptureError for a folder without a run or an unknown column."""
+    import datasets
+    from datasets.table import InMemoryTable
+
+    manifest = manifest_mod.read(run)
+    if manifest.header is None:
+        raise CaptureError(f"{run} holds no capture run (no {manifest_mod.MANIFEST} with a header)")
+    tables = []
+    for shard in manifest.shards:
+        table = read_table(Path(run) / shard["path"])  # memory-mapped: unselected columns are never touched
+        states = set(manifest.header["columns"])
+        cols = list(columns) if columns is not None else [c for c in table.column_names if c not in states]
+        unknown = [c for c in cols if c not in table.column_names]
+        if unknown:
+            raise CaptureError(f"no column(s) {unknown} in {run}; it has {', '.join(table.column_names)}")
+        table = table.select(cols)
+        keep = [in_split(sid, split, heldout_fraction) for sid in shard["sample_ids"]]
+        tables.append(table.filter(pa.array(keep, pa.bool_())))
+    if not tables:
+        raise CaptureError(f"{run} has no committed shard yet")
+    table = pa.concat_tables(tables).replace_schema_metadata(None)
+    return datasets.Dataset(InMemoryTable(table))
