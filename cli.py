@@ -5,6 +5,7 @@ User errors (:class:`capture.errors.CaptureError`) print one line on stderr and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -108,7 +109,11 @@ def targets(as_json: bool) -> None:
 @click.option("--unit-tokens", type=int, help="Tokens per work unit sent to a replica.")
 @click.option("--replicas", type=int)
 @click.option("--cpus-per-replica", type=int)
-@click.option("--ray-address", help="Ray cluster address (default: start a local instance).")
+@click.option("--ray-address", help="Ray cluster address: auto, ray://host:10001, host:6379 (default: start a local instance).")
+@click.option("--unit-timeout", type=float, help="Seconds a work unit may run before its replica counts as hung "
+              "and is replaced (default: no limit).")
+@click.option("--max-unit-attempts", type=int, help="Failures of a work unit before it is split; a single record "
+              "that fails this often is quarantined (default 3).")
 @click.option("--engine", type=click.Choice(["hf", "vllm", "auto"]),
               help="hf (transformers), vllm, or auto (default: vllm when installed and a GPU is visible, else hf).")
 @click.option("--vllm-path", type=click.Choice(["auto", "extract", "hooks"]),
@@ -135,7 +140,9 @@ def run(config_file, as_json, no_progress, **flags) -> None:
     if no_progress:
         values["progress"] = False
     cfg = from_mapping(values)
-    summary = run_capture(cfg).as_dict()
+    # Ray forwards its workers' and raylet's messages to stdout; keep stdout for the summary alone
+    with contextlib.redirect_stdout(sys.stderr):
+        summary = run_capture(cfg).as_dict()
     _emit(summary, as_json, _print_summary)
 
 
@@ -155,6 +162,13 @@ def _print_summary(s: dict) -> None:
             click.echo(f"{title}: " + ", ".join(f"{k}={v}" for k, v in sorted(s[title].items())))
     if s["truncated_input"]:
         click.echo(f"input: {s['truncated_input']}")
+    if len(s["replicas"]) > 1 or any(r["restarts"] for r in s["replicas"]):
+        _table([{"replica": r["replica"], "units": r["units"], "rows": r["rows"], "tokens": r["tokens"],
+                 "busy s": round(r["busy_seconds"], 1), "restarts": r["restarts"],
+                 "failures": "; ".join(f"{k} x{v}" for k, v in r["failures"].items())} for r in s["replicas"]])
+    if s["quarantined"]:
+        click.echo(f"quarantined {len(s['quarantined'])} record(s) (not written; a rerun retries them): "
+                   + "; ".join(f"{k}: {v}" for k, v in sorted(s["quarantined"].items())[:10]))
 
 
 @main.group()

@@ -69,6 +69,8 @@ class RunConfig:
     replicas: int = 1
     cpus_per_replica: int | None = None  # None: all CPUs Ray sees, split over replicas
     ray_address: str | None = None  # None: start a local Ray instance
+    unit_timeout: float | None = None  # seconds a work unit may run before its replica counts as hung
+    max_unit_attempts: int = 3  # failures of a unit before it is split (one record: quarantined)
     engine: str = "auto"  # hf | vllm | auto (vllm when installed and a GPU is visible, else hf)
     vllm_path: str = "auto"  # extract | hooks | auto (hooks for MLA targets); see capture.engines.vllm
     tp: int = 1  # vLLM tensor-parallel size (GPUs per replica)
@@ -95,7 +97,7 @@ _CHOICES = {
 }
 _INTS = {  # field: smallest allowed value (None allowed where the default is None)
     "limit": 0, "shard_size": 1, "batch_tokens": 1, "unit_tokens": 1, "replicas": 1, "cpus_per_replica": 1,
-    "codec_threads": 1, "disk_reserve": 0, "max_new_tokens": 1, "seed": 0, "tp": 1, "max_model_len": 1,
+    "codec_threads": 1, "disk_reserve": 0, "max_unit_attempts": 1, "max_new_tokens": 1, "seed": 0, "tp": 1, "max_model_len": 1,
 }
 
 
@@ -120,6 +122,9 @@ def _validate(cfg: "RunConfig") -> None:
     for name in ("argmax", "dry_run", "progress"):
         if not isinstance(getattr(cfg, name), bool):
             bad(name, getattr(cfg, name), "true or false")
+    ut = cfg.unit_timeout
+    if ut is not None and not (isinstance(ut, (int, float)) and not isinstance(ut, bool) and ut > 0):
+        bad("unit_timeout", ut, "a number of seconds > 0")
     gmu = cfg.gpu_memory_utilization
     if gmu is not None and not (isinstance(gmu, (int, float)) and not isinstance(gmu, bool) and 0 < gmu <= 1):
         bad("gpu_memory_utilization", gmu, "a fraction in (0, 1]")

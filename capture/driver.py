@@ -2,7 +2,8 @@
 
 Replicas are Ray actors (a local ``ray.init()`` unless ``ray_address`` is given); the driver streams the
 dataset (never holding it), tokenizes and filters in order, hands work units of ~``unit_tokens`` tokens
-to an :class:`ray.util.ActorPool` with one unit in flight per replica, and commits every shard a replica
+to a :class:`capture.pool.ReplicaPool` (two units queued per replica; a replica that dies or hangs is
+replaced and its uncommitted records handed out again), and commits every shard a replica
 closes with one manifest line. Rerunning the same command resumes: sample ids already in the manifest
 are skipped before tokenization, and the dedup filter is seeded with the committed token hashes.
 
@@ -27,6 +28,7 @@ from capture.config import RunConfig
 from capture.engines import EngineSpec, engine_spec, vllm_engine_args
 from capture.data import DatasetRef, ReadStats, iter_conversations, resolve_dataset
 from capture.errors import CaptureError
+from capture.pool import ReplicaPool
 from capture.regenerate import responses_header
 from capture.targets import Taps, Target, make_taps, model_dir, resolve_target
 from filters import apply_filters, filter_prompt
@@ -63,6 +65,8 @@ class Summary:
     estimated_tokens: int | None = None  # dry run only
     estimated_bytes_by_codec: dict | None = None  # dry run only
     free_bytes: int | None = None  # dry run only: free space where --out is (or would be)
+    replicas: list = dataclasses.field(default_factory=list)  # per replica: units, rows, tokens, busy s, restarts
+    quarantined: dict = dataclasses.field(default_factory=dict)  # sample_id → reason (failed every attempt)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -241,7 +245,6 @@ def run(cfg: RunConfig) -> Summary:
 
 def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
     import ray
-    from ray.util import ActorPool
 
     try:
         writer, manifest = manifest_mod.ManifestWriter.open(cfg.out, prep.header)
@@ -250,8 +253,8 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
         raise CaptureError(f"cannot write the manifest in {cfg.out}: {e.strerror}") from None
     garbage = manifest_mod.garbage(cfg.out, manifest)
     if garbage:
-        log.warning("%s: %d uncommitted file(s) from an interrupted run are ignored; `capture shards gc %s` removes them",
-                    cfg.out, len(garbage), cfg.out)
+        log.warning("%s: %d uncommitted file(s) from an interrupted run are ignored (removed when this run completes)",
+                    cfg.out, len(garbage))
     if _free_bytes(cfg.out) < cfg.disk_reserve:
         raise CaptureError(f"only {_free_bytes(cfg.out) / 2**20:.0f} MiB free at {cfg.out}; free some space first")
     try:
@@ -278,20 +281,12 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
     # a vLLM replica on a GPU cluster holds its TP group's GPUs (Ray sets CUDA_VISIBLE_DEVICES for it)
     gpus = cfg.tp if prep.engine.name == "vllm" and ray.cluster_resources().get("GPU", 0) else 0
     actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus)(_replica_class())
-    actors = [actor_cls.remote(prep.model_dir, prep.taps, prep.header,
-                               str(Path(cfg.out).resolve()), shard_size=cfg.shard_size,
-                               batch_tokens=cfg.batch_tokens, threads=cpus, codec_threads=cfg.codec_threads,
-                               engine=prep.engine, filters=cfg.filters)
-              for _ in range(cfg.replicas)]
-    try:
-        ray.get([a.start.remote() for a in actors])
-    except ray.exceptions.RayTaskError as e:
-        if we_started_ray:
-            ray.shutdown()
-        if isinstance(e.cause, CaptureError):  # e.g. an engine argument vLLM refuses: one line, exit 2
-            raise e.cause from None
-        raise
-    pool = ActorPool(actors)
+
+    def make_actor():
+        return actor_cls.remote(prep.model_dir, prep.taps, prep.header, str(Path(cfg.out).resolve()),
+                                shard_size=cfg.shard_size, batch_tokens=cfg.batch_tokens, threads=cpus,
+                                codec_threads=cfg.codec_threads, engine=prep.engine, filters=cfg.filters)
+
     bar = _progress(cfg)
     rejected: collections.Counter = collections.Counter()
     prefilled = [0]  # rows through the engine (committed once their shard closes)
@@ -305,35 +300,34 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
             summary.committed_loss_tokens += info.loss_tokens
             summary.committed_bytes += info.bytes
 
-    def collect() -> None:
-        result = pool.get_next_unordered()
-        commit(result.shards)
+    def on_result(result) -> None:
         rejected.update(result.rejected.values())
         prefilled[0] += result.rows
         bar.update(result.tokens)
-        bar.set_postfix(rows=prefilled[0], committed=summary.committed_rows, shards=summary.shards, refresh=False)
+        bar.set_postfix(rows=prefilled[0], committed=summary.committed_rows,
+                        MiB=round(summary.committed_bytes / 2**20), refresh=False)
 
     stop: str | None = None
+    pool = None
     try:
+        pool = ReplicaPool(make_actor, cfg.replicas, commit=commit, on_result=on_result,
+                           unit_timeout=cfg.unit_timeout, max_attempts=cfg.max_unit_attempts)
         for unit in _units(_records(cfg, prep, summary, manifest.sample_ids(), seen), cfg.unit_tokens):
             need = sum(r.num_tokens for r in unit) * per_token * (cfg.replicas + 1) + cfg.disk_reserve
             if _free_bytes(cfg.out) < need:
                 stop = f"only {_free_bytes(cfg.out) / 2**20:.0f} MiB free at {cfg.out}, the next unit needs ~{need / 2**20:.0f} MiB"
                 break
-            if not pool.has_free():
-                collect()
-            pool.submit(lambda actor, u: actor.process.remote(u), unit)
-        while pool.has_next():
-            collect()
-        for infos in ray.get([a.finish.remote() for a in actors]):
-            commit(infos)
-    except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, OSError) and e.cause.errno == errno.ENOSPC:
-            stop = f"the disk at {cfg.out} is full ({e.cause})"
-        else:
+            pool.submit(unit)
+        pool.finish()
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
             raise
+        stop = f"the disk at {cfg.out} is full ({e})"
     finally:
         bar.close()
+        if pool is not None:
+            summary.replicas = [dataclasses.asdict(s) for s in pool.stats]
+            summary.quarantined = dict(pool.quarantined)
         if we_started_ray:
             ray.shutdown()
     summary.rejected = dict(rejected)
@@ -348,6 +342,7 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
             f"stopped cleanly: {stop}; {summary.shards} shard(s) committed in this run, nothing half-written. "
             "Free some space and rerun the same command to resume"
         )
+    _remove_garbage(cfg.out)
     writer.complete({
         "end_time": provenance.record.utc_now(ended),
         "dataset": dataclasses.asdict(prep.dataset),
@@ -357,6 +352,8 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
         "already_committed": summary.already_committed,
         "skipped": summary.skipped,
         "rejected": summary.rejected,
+        "quarantined": summary.quarantined,
+        "replicas": summary.replicas,
         "normalized": summary.normalized,
         "truncated_input": summary.truncated_input,
         "total_rows": summary.total_rows,
@@ -368,6 +365,17 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
         detail = ", ".join(f"{k}={v}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])) or "no rows read"
         raise CaptureError(f"no records written: all {summary.rows_read} rows read were dropped ({detail})")
     return summary
+
+
+def _remove_garbage(out: str) -> None:
+    """Remove every uncommitted shard file at the end of a run: what failed replicas and killed runs left.
+    Only the driver commits, so no file the manifest does not name can ever become part of the run; every
+    live replica has finished and the run lock is held."""
+    removed = manifest_mod.garbage(out)
+    for path in removed:
+        path.unlink(missing_ok=True)
+    if removed:
+        log.info("removed %d uncommitted shard file(s) left by failed replicas or interrupted runs", len(removed))
 
 
 def _finish_provenance(cfg: RunConfig, record: dict, summary: Summary, status: str, ended: float) -> None:

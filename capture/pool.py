@@ -1,0 +1,243 @@
+"""Replicas as Ray actors: work units handed out with backpressure, retried when a replica dies or hangs.
+
+The driver (:mod:`capture.driver`) streams work units into :meth:`ReplicaPool.submit`; the pool keeps
+``in_flight`` units queued on each replica (an actor runs its calls in order, so the next unit is already
+there when one ends and no replica idles) and blocks the driver while every replica is full
+(backpressure: the driver never holds more than ``replicas × in_flight`` units). Every closed shard a
+replica reports goes to ``commit`` (the driver appends the manifest line: the only commit).
+
+Exactly-once: a replica's rows reach a shard only through its writer, and a shard counts only once the
+driver commits it. The pool remembers, per replica, every record it handed out that no committed shard
+holds yet (in flight, or written into the replica's open shard). When a replica fails — its process dies
+(``RayActorError``), a unit raises, or a unit runs past ``unit_timeout`` seconds — the pool kills the
+actor (its open shard is never committed: an uncommitted file, removed at the end of the run), starts a
+replacement, and hands those records out again. The unit that was running counts one attempt (the
+earliest unit queued on the replica: Ray runs an actor's calls in submission order); the others were not
+at fault. A unit that failed ``max_attempts`` times is split in halves and retried; a single record that
+failed ``max_attempts`` times is quarantined with its reason (not written; the run goes on; a rerun
+tries it again). Fatal errors are raised, not retried: CaptureError, and OSError ENOSPC (a full disk).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import time
+from typing import Callable, Sequence
+
+from capture.errors import CaptureError
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Unit:
+    records: list  # capture.chat.Tokenized | capture.chat.Prompt
+    attempts: int = 0
+    last_error: str = ""
+
+    @property
+    def tokens(self) -> int:
+        return sum(r.num_tokens for r in self.records)
+
+
+@dataclasses.dataclass
+class ReplicaStats:
+    """Per replica slot, over its actors: ``restarts`` counts replacements after a failure."""
+
+    replica: int
+    units: int = 0
+    rows: int = 0
+    tokens: int = 0
+    busy_seconds: float = 0.0
+    restarts: int = 0
+    failures: dict = dataclasses.field(default_factory=dict)  # reason → count
+
+
+@dataclasses.dataclass
+class _Slot:
+    actor: object
+    queue: list  # [(ObjectRef, Unit)] in submission order
+    uncommitted: dict  # sample_id → record: handed to this actor, in no committed shard yet
+    started: float = 0.0  # when the head of `queue` began (its predecessor ended or it was submitted)
+
+
+class ReplicaPool:
+    """``make_actor()`` returns a started-or-starting replica actor handle (``start``, ``process``,
+    ``finish``); ``commit(shard_infos)`` commits shards; ``on_result(result)`` sees every
+    :class:`capture.replica.UnitResult` (progress, counts). ``unit_timeout``: seconds one unit may run
+    (None: no limit)."""
+
+    def __init__(self, make_actor: Callable[[], object], replicas: int, *, commit: Callable[[Sequence], None],
+                 on_result: Callable[[object], None], in_flight: int = 2, unit_timeout: float | None = None,
+                 max_attempts: int = 3):
+        import ray
+
+        self._ray = ray
+        self.make_actor, self.commit, self.on_result = make_actor, commit, on_result
+        self.in_flight, self.unit_timeout, self.max_attempts = in_flight, unit_timeout, max_attempts
+        self.slots = [_Slot(make_actor(), [], {}) for _ in range(replicas)]
+        self.stats = [ReplicaStats(i) for i in range(replicas)]
+        self.retry: list[Unit] = []
+        self.quarantined: dict[str, str] = {}  # sample_id → reason
+        self._start([s.actor for s in self.slots])
+
+    def _start(self, actors: list) -> None:
+        try:
+            self._ray.get([a.start.remote() for a in actors])
+        except self._ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, CaptureError):  # e.g. an engine argument vLLM refuses: one line, exit 2
+                raise e.cause from None
+            raise
+
+    def submit(self, records: list) -> None:
+        """Queue one unit on the least-loaded replica; waits (handling results and failures) while all
+        are full, and hands out retried units first."""
+        self._submit(Unit(records))
+
+    def _submit(self, unit: Unit) -> None:
+        while True:
+            while self.retry and self._free_slot() is not None:
+                self._send(self._free_slot(), self.retry.pop(0))
+            slot = self._free_slot()
+            if slot is not None:
+                self._send(slot, unit)
+                return
+            self._wait()
+
+    def drain(self) -> None:
+        """Wait until every unit (and every retry) has been processed."""
+        while self.retry or any(s.queue for s in self.slots):
+            while self.retry and self._free_slot() is not None:
+                self._send(self._free_slot(), self.retry.pop(0))
+            if any(s.queue for s in self.slots):
+                self._wait()
+
+    def finish(self) -> None:
+        """Drain, then close every replica's open shard and commit it; a replica failing here has its
+        uncommitted records retried on a replacement."""
+        while True:
+            self.drain()
+            failed = False
+            for i, slot in enumerate(self.slots):
+                try:
+                    infos = self._ray.get(slot.actor.finish.remote())
+                except (self._ray.exceptions.RayActorError, self._ray.exceptions.RayTaskError) as e:
+                    if _fatal(getattr(e, "cause", None)):
+                        raise e.cause from None
+                    self._fail(i, _reason(e), charge=False)
+                    failed = True
+                    continue
+                self._committed(slot, infos)
+            if not failed:
+                return
+
+    def _free_slot(self) -> int | None:
+        loads = [(len(s.queue), i) for i, s in enumerate(self.slots) if len(s.queue) < self.in_flight]
+        return min(loads)[1] if loads else None
+
+    def _send(self, i: int, unit: Unit) -> None:
+        slot = self.slots[i]
+        if not slot.queue:
+            slot.started = time.monotonic()
+        slot.queue.append((slot.actor.process.remote(unit.records), unit))
+        slot.uncommitted.update((r.sample_id, r) for r in unit.records)
+
+    def _wait(self) -> None:
+        heads = {s.queue[0][0]: i for i, s in enumerate(self.slots) if s.queue}
+        timeout = None
+        if self.unit_timeout is not None:
+            now = time.monotonic()
+            timeout = max(0.0, min(self.slots[i].started + self.unit_timeout - now for i in heads.values()))
+        ready, _ = self._ray.wait(list(heads), num_returns=1, timeout=timeout)
+        if not ready:  # the oldest running unit is past the timeout: treat its replica as hung
+            i = min(heads.values(), key=lambda j: self.slots[j].started)
+            self._fail(i, f"unit ran past --unit-timeout {self.unit_timeout:g} s", charge=True)
+            return
+        i = heads[ready[0]]
+        slot = self.slots[i]
+        ref, unit = slot.queue.pop(0)
+        stats = self.stats[i]
+        try:
+            result = self._ray.get(ref)
+        except self._ray.exceptions.RayTaskError as e:
+            if _fatal(e.cause):
+                raise e.cause from None
+            slot.queue.insert(0, (ref, unit))
+            self._fail(i, _reason(e), charge=True)
+            return
+        except self._ray.exceptions.RayActorError as e:
+            slot.queue.insert(0, (ref, unit))
+            self._fail(i, _reason(e), charge=True)
+            return
+        now = time.monotonic()
+        stats.units += 1
+        stats.rows += result.rows
+        stats.tokens += result.tokens
+        stats.busy_seconds += now - slot.started
+        slot.started = now
+        for sample_id in result.rejected:
+            slot.uncommitted.pop(sample_id, None)
+        self._committed(slot, result.shards)
+        self.on_result(result)
+
+    def _committed(self, slot: _Slot, infos: Sequence) -> None:
+        self.commit(infos)
+        for info in infos:
+            for sample_id in info.sample_ids:
+                slot.uncommitted.pop(sample_id, None)
+
+    def _fail(self, i: int, reason: str, *, charge: bool) -> None:
+        """Replace replica ``i``; hand its uncommitted records out again (the running unit charged)."""
+        slot = self.slots[i]
+        stats = self.stats[i]
+        stats.restarts += 1
+        stats.failures[reason] = stats.failures.get(reason, 0) + 1
+        log.warning("replica %d failed (%s); replacing it and retrying its %d uncommitted record(s)",
+                    i, reason, len(slot.uncommitted))
+        self._ray.kill(slot.actor, no_restart=True)
+        queued = [u for _, u in slot.queue]
+        requeue: list[Unit] = []
+        if charge and queued:
+            head = queued.pop(0)
+            head.attempts += 1
+            head.last_error = reason
+            requeue += self._after_failure(head)
+        seen = {r.sample_id for u in requeue + queued for r in u.records} | set(self.quarantined)
+        requeue += queued
+        rest = [r for sid, r in slot.uncommitted.items() if sid not in seen]
+        if rest:
+            requeue.append(Unit(rest))
+        self.retry = requeue + self.retry
+        slot.actor = self.make_actor()
+        slot.queue, slot.uncommitted = [], {}
+        self._start([slot.actor])
+
+    def _after_failure(self, unit: Unit) -> list[Unit]:
+        """A failed unit: retried whole, split in halves, or (one record) quarantined."""
+        if unit.attempts < self.max_attempts:
+            return [unit]
+        if len(unit.records) > 1:
+            half = len(unit.records) // 2
+            return [Unit(unit.records[:half]), Unit(unit.records[half:])]
+        sample_id = unit.records[0].sample_id
+        self.quarantined[sample_id] = unit.last_error
+        log.error("quarantined %s after %d failed attempts: %s", sample_id, unit.attempts, unit.last_error)
+        return []
+
+
+def _fatal(cause: BaseException | None) -> bool:
+    return isinstance(cause, CaptureError) or (isinstance(cause, OSError) and cause.errno == errno.ENOSPC)
+
+
+def _reason(e: BaseException) -> str:
+    """One line naming what failed: the replica's exception type and message, or the actor's death."""
+    import ray
+
+    if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None:
+        text = " ".join(str(e.cause).split())[:200]
+        return f"{type(e.cause).__name__}: {text}" if text else type(e.cause).__name__
+    if isinstance(e, ray.exceptions.RayActorError):
+        return "replica process died"
+    return type(e).__name__

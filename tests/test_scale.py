@@ -1,0 +1,159 @@
+"""Ray scale-out: two replicas, a replica killed mid-unit, a killed driver, a job submitted to a real Ray
+head with Ray's job API. Real SmolLM2, the real Open-PerfectBlend sample, real Ray processes.
+
+Every process a test starts carries ``CAPTURE_TEST_TAG`` in its environment (Ray's workers inherit it),
+so a test finds and kills exactly its own processes, never another Ray instance on the machine.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from shards import manifest as manifest_mod
+from shards.verify import verify
+
+LIMIT = 24
+SAMPLE_NAME = "open-perfectblend-sample.jsonl"
+
+
+def tagged_pids(tag: str, title: str | None = None) -> list[int]:
+    """Processes whose environment carries ``CAPTURE_TEST_TAG=tag`` (and whose command line contains
+    ``title``, e.g. Ray's process title ``ray::Replica.process`` while a unit runs)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit() or int(p.name) == os.getpid():
+            continue
+        try:
+            if f"CAPTURE_TEST_TAG={tag}".encode() not in (p / "environ").read_bytes():
+                continue
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if title is None or title in cmd:
+            out.append(int(p.name))
+    return out
+
+
+def kill_tagged(tag: str) -> None:
+    for pid in tagged_pids(tag):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture
+def tag():
+    t = uuid.uuid4().hex
+    yield t
+    kill_tagged(t)  # whatever a killed driver left behind
+
+
+def run_cmd(out: Path, sample: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "cli", "run", "--dataset", str(sample), "--layers", "3", "--out", str(out),
+            "--limit", str(LIMIT), "--max-tokens", "384", "--overlength", "truncate", "--unit-tokens", "900",
+            "--shard-size", "1MiB", "--no-progress", "--json", *extra]
+
+
+def env_for(tag: str) -> dict:
+    return {**os.environ, "CAPTURE_TEST_TAG": tag, "TQDM_DISABLE": "1"}
+
+
+def assert_exactly_once(out: Path) -> None:
+    """Every sample of the first LIMIT rows committed exactly once; shards verify; no stray files."""
+    m = manifest_mod.read(out)
+    ids = [s for shard in m.shards for s in shard["sample_ids"]]
+    assert sorted(ids) == sorted(f"{SAMPLE_NAME}:{i}" for i in range(LIMIT))
+    report = verify(out)
+    assert report.ok, report.problems
+    assert report.rows == LIMIT and report.garbage == []
+    assert m.complete
+
+
+def test_replica_killed_mid_unit_run_completes_exactly_once(tmp_path, sample_jsonl, tag):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(run_cmd(out, sample_jsonl, "--replicas", "2", "--cpus-per-replica", "1"), cwd=REPO,
+                            env=env_for(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = None
+    deadline = time.monotonic() + 300
+    while killed is None and proc.poll() is None and time.monotonic() < deadline:
+        busy = tagged_pids(tag, "ray::Replica.process")
+        if busy:
+            time.sleep(0.5)  # well inside the unit
+            os.kill(busy[0], signal.SIGKILL)
+            killed = busy[0]
+        time.sleep(0.2)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert killed is not None, "no replica was ever seen processing a unit"
+    assert proc.returncode == 0, stderr[-3000:]
+    summary = json.loads(stdout)
+    assert sum(r["restarts"] for r in summary["replicas"]) == 1
+    (failure,) = [f for r in summary["replicas"] for f in r["failures"]]
+    assert failure == "replica process died"
+    assert summary["quarantined"] == {} and summary["committed_rows"] == LIMIT
+    assert sum(r["rows"] for r in summary["replicas"]) >= LIMIT  # the retried records count twice here
+    assert_exactly_once(out)
+
+
+def test_driver_killed_then_rerun_completes_exactly_once(tmp_path, sample_jsonl, tag):
+    out = tmp_path / "run"
+    cmd = run_cmd(out, sample_jsonl)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env_for(tag), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not manifest_mod.read(out).shards and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    committed = sum(s["rows"] for s in manifest_mod.read(out).shards)
+    assert 0 < committed < LIMIT, f"the driver should die mid-run ({committed} rows committed)"
+    proc.kill()  # SIGKILL: no cleanup, no completion record
+    proc.wait()
+    assert not manifest_mod.read(out).complete
+
+    again = subprocess.run(cmd, cwd=REPO, env=env_for(tag), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    summary = json.loads(again.stdout)
+    assert summary["already_committed"] == committed
+    assert summary["committed_rows"] == LIMIT - committed
+    assert_exactly_once(out)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ray_job_submit_two_replicas(tmp_path, sample_jsonl, tag):
+    """The README's cluster recipe: `ray start --head`, then `ray job submit -- capture run --ray-address auto`."""
+    port, dash = free_port(), free_port()
+    # Ray >= 2.59 authenticates local clusters with a token: the head and `ray job submit` share one
+    env = {**env_for(tag), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex}
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    start = subprocess.run([ray_bin, "start", "--head", "--port", str(port), "--dashboard-host", "127.0.0.1",
+                            "--dashboard-port", str(dash), "--num-cpus", "2", "--include-dashboard", "true",
+                            "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=180)
+    assert start.returncode == 0, start.stderr[-3000:]
+    out = tmp_path / "run"
+    cmd = run_cmd(out, sample_jsonl, "--replicas", "2", "--cpus-per-replica", "1", "--ray-address", "auto")
+    deadline = time.monotonic() + 120
+    while True:  # the head's job agent comes up a few seconds after `ray start` returns
+        job = subprocess.run([ray_bin, "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--", *cmd],
+                             env=env, capture_output=True, text=True, timeout=900)
+        if "No available agent" not in job.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(3)
+    assert job.returncode == 0, (job.stdout + job.stderr)[-3000:]
+    logs = job.stdout
+    assert "succeeded" in logs
+    summary = json.JSONDecoder().raw_decode(logs[logs.rfind("\n{\n") + 1:])[0]  # the run's JSON summary
+    assert [r["replica"] for r in summary["replicas"]] == [0, 1]
+    assert all(r["units"] > 0 for r in summary["replicas"])  # both replicas took work
+    assert_exactly_once(out)
