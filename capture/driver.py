@@ -269,7 +269,8 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
 
     we_started_ray = not ray.is_initialized()
     if we_started_ray:
-        ray.init(address=cfg.ray_address, num_cpus=None if cfg.ray_address else os.cpu_count(),
+        # "local": a new instance even where `ray start` left a (maybe stale) /tmp/ray/ray_current_cluster
+        ray.init(address=cfg.ray_address or "local", num_cpus=None if cfg.ray_address else os.cpu_count(),
                  include_dashboard=False, logging_level=logging.ERROR, log_to_driver=True)
     total_cpus = int(ray.cluster_resources().get("CPU", 0))
     cpus = cfg.cpus_per_replica or max(1, total_cpus // cfg.replicas)

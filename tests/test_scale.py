@@ -55,7 +55,21 @@ def kill_tagged(tag: str) -> None:
 def tag():
     t = uuid.uuid4().hex
     yield t
-    kill_tagged(t)  # whatever a killed driver left behind
+    kill_tagged(t)  # whatever a killed driver or a test's Ray head left behind
+
+
+@pytest.fixture
+def ray_head_port():
+    """A free port for a test's `ray start --head`; afterwards the address file `ray start` leaves in
+    /tmp/ray is removed when it names this head (`ray stop` would stop every Ray on the machine)."""
+    port = free_port()
+    yield port
+    current = Path("/tmp/ray/ray_current_cluster")
+    try:
+        if current.read_text().strip().endswith(f":{port}"):
+            current.unlink()
+    except OSError:
+        pass
 
 
 def run_cmd(out: Path, sample: Path, *extra: str) -> list[str]:
@@ -131,9 +145,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ray_job_submit_two_replicas(tmp_path, sample_jsonl, tag):
+def test_ray_job_submit_two_replicas(tmp_path, sample_jsonl, tag, ray_head_port):
     """The README's cluster recipe: `ray start --head`, then `ray job submit -- capture run --ray-address auto`."""
-    port, dash = free_port(), free_port()
+    port, dash = ray_head_port, free_port()
     # Ray >= 2.59 authenticates local clusters with a token: the head and `ray job submit` share one
     env = {**env_for(tag), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex}
     ray_bin = str(Path(sys.executable).with_name("ray"))
