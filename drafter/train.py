@@ -222,6 +222,7 @@ def save_checkpoint(model: Drafter, cfg: TrainConfig, d: Data, out: str | os.Pat
     from safetensors.torch import save_file
 
     out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / CHECKPOINT))
     meta = {"train": dataclasses.asdict(cfg), "model": dataclasses.asdict(model.cfg),
             "taps": data.tap_columns(d.header), "target": d.header["target"],
