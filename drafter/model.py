@@ -143,11 +143,6 @@ class Drafter(nn.Module):
         """[..., H] → float32 [..., V'] scores over ``vocab`` (column i is token ``vocab[i]``)."""
         return hidden @ self.lm_head[self.vocab].T
 
-    def trainable_state(self) -> dict[str, torch.Tensor]:
-        """What a checkpoint stores: every parameter and the ``vocab`` buffer (not the frozen target
-        tensors)."""
-        return {k: v for k, v in self.state_dict().items()}
-
 
 def load_target_head(model_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's ``embed_tokens`` and LM head, each [V, H] in the stored dtype (bf16 for SmolLM2),

@@ -168,12 +168,16 @@ def train(cfg: TrainConfig, d: Data | None = None) -> dict:
     d = d or load_data(cfg.run, cfg.heldout_fraction, cfg.target_dir)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    log = open(out / METRICS, "w")
+    with open(out / METRICS, "w") as log:
 
-    def emit(entry: dict) -> None:
-        log.write(json.dumps(entry) + "\n")
-        log.flush()
+        def emit(entry: dict) -> None:
+            log.write(json.dumps(entry) + "\n")
+            log.flush()
 
+        return _train(cfg, d, out, emit)
+
+
+def _train(cfg: TrainConfig, d: Data, out: Path, emit) -> dict:
     model = build_model(cfg, d)
     held = eval_anchors(d.heldout, cfg.eval_anchors)
     train_anchors = blocks.valid_anchors(d.train["loss_mask"], d.train["position_ids"])
@@ -213,7 +217,6 @@ def train(cfg: TrainConfig, d: Data | None = None) -> dict:
     result["drafter"] = evaluate(model, d.heldout, held, cfg.eval_batch)
     emit({"kind": "eval", "model": "drafter", "split": "heldout", "train_seconds": result["seconds"],
           **result["drafter"]})
-    log.close()
     return result
 
 
