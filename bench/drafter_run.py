@@ -3,7 +3,7 @@
     python bench/drafter_run.py [--out /tmp/drafter-run] [--limit 320] [--steps 400]
 
 1. ``capture run --target smollm2-135m --dataset sharegpt --layers 3,15,27 --max-tokens 1024
-   --overlength truncate --limit 320`` (rerunning resumes: a finished capture is not redone);
+   --overlength truncate --limit 360`` (rerunning resumes: a finished capture is not redone);
 2. trains 3 drafters (seeds 0, 1, 2; the default TrainConfig otherwise) on the train split;
 3. prints held-out acceptance length (accepted drafted tokens per block, no bonus; drafter.metrics) and
    first-token accuracy for each seed and for the baselines (untrained drafter of the same seed, bigram
@@ -31,7 +31,7 @@ from drafter.train import load_data, train  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/drafter-run")
-    ap.add_argument("--limit", type=int, default=320)
+    ap.add_argument("--limit", type=int, default=360)
     ap.add_argument("--steps", type=int, default=TrainConfig.steps)
     ap.add_argument("--seeds", default="0,1,2")
     args = ap.parse_args()

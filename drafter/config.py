@@ -32,9 +32,9 @@ class TrainConfig:
     d_model: int = 256
     n_layers: int = 2
     n_heads: int = 4
-    steps: int = 300
+    steps: int = 200
     anchors_per_step: int = 128
-    lr: float = 1e-3
+    lr: float = 2e-3
     weight_decay: float = 0.0
     warmup_steps: int = 20
     loss_decay: float = 4.0
