@@ -92,8 +92,10 @@ def test_bigram_baseline_on_hand_built_counts():
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("drafter") / "run"
-    capture_cli("run", "--target", "smollm2-135m", "--dataset", "sharegpt", "--layers", "3,15,27",
-                "--limit", "24", "--max-tokens", "256", "--overlength", "truncate", "--no-progress",
+    # --ray-address local: always a fresh local Ray instance (a stale /tmp/ray/ray_current_cluster left by
+    # another process on a shared machine otherwise makes ray.init() try to join a dead cluster)
+    capture_cli("run", "--ray-address", "local", "--target", "smollm2-135m", "--dataset", "sharegpt",
+                "--layers", "3,15,27", "--limit", "24", "--max-tokens", "256", "--overlength", "truncate", "--no-progress",
                 "--out", str(out), check=True)
     return out
 
