@@ -283,6 +283,86 @@ def export_cmd(run_dir, out, fmt, split, heldout_fraction, no_progress) -> None:
     click.echo(f"{r['out']}: {r['samples']} samples, {r['tokens']:,} tokens as {r['format']} files")
 
 
+@main.group("drafter")
+def drafter_group() -> None:
+    """Train a small block drafter on a capture run and score it offline."""
+
+
+def _drafter_values(config_file, flags: dict) -> dict:
+    from capture.config import load_yaml
+
+    values = load_yaml(config_file) if config_file else {}
+    values.update({k: v for k, v in flags.items() if v is not None})
+    return values
+
+
+@drafter_group.command("train")
+@click.option("--config", "config_file", type=click.Path(), help="YAML file of TrainConfig keys; flags override it.")
+@click.option("--run", help="Capture run folder (shards + manifest.jsonl).")
+@click.option("--out", help="Output folder: model.safetensors, config.json, metrics.jsonl.")
+@click.option("--target-dir", type=click.Path(), help="Model folder with the target's safetensors "
+              "(default: the run's provenance.json model_dir).")
+@click.option("--seed", type=int)
+@click.option("--block-size", type=int, help="Tokens drafted per anchor (default 8).")
+@click.option("--context", type=int, help="Context positions each block attends to (default 8).")
+@click.option("--d-model", type=int)
+@click.option("--n-layers", type=int)
+@click.option("--n-heads", type=int)
+@click.option("--steps", type=int)
+@click.option("--anchors-per-step", type=int)
+@click.option("--lr", type=float)
+@click.option("--weight-decay", type=float)
+@click.option("--warmup-steps", type=int)
+@click.option("--loss-decay", type=float, help="Block position j weighs exp(-j / loss_decay); 0: equal.")
+@click.option("--labels", type=click.Choice(["argmax", "dataset"]), help="Train on the target's greedy tokens "
+              "(default) or the dataset's tokens.")
+@click.option("--head-vocab", type=click.Choice(["train-labels", "full"]))
+@click.option("--heldout-fraction", type=float, help="Held-out share by sample_id hash (default 0.1).")
+@click.option("--eval-anchors", type=int, help="Held-out anchors scored, evenly spaced (0: all).")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def drafter_train(config_file, no_progress, as_json, **flags) -> None:
+    """Train a drafter; score it, the untrained drafter and a bigram baseline on the held-out split."""
+    from drafter.config import from_mapping
+    from drafter.train import train
+
+    values = _drafter_values(config_file, flags)
+    if no_progress:
+        values["progress"] = False
+    result = train(from_mapping(values))
+    _emit(result, as_json, _print_drafter_scores)
+
+
+def _print_drafter_scores(result: dict) -> None:
+    rows = [{"model": name, "accept_len": f"{s['accept_len']:.4f}", "with_bonus": f"{s['accept_len_with_bonus']:.4f}",
+             "first_token_acc": f"{s['first_token_acc']:.4f}", "blocks": s["blocks"]}
+            for name, s in result.items() if isinstance(s, dict) and "accept_len" in s]
+    _table(rows)
+    if "fixed_loss" in result:
+        click.echo(f"train loss on fixed anchors: {result['fixed_loss'][0]:.4f} -> {result['fixed_loss'][1]:.4f}; "
+                   f"training {result['seconds']} s")
+
+
+@drafter_group.command("eval")
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@click.option("--run", required=True, help="Capture run folder with the same taps.")
+@click.option("--split", type=click.Choice(["heldout", "train", "all"]), default="heldout", show_default=True)
+@click.option("--heldout-fraction", type=float, help="Default: the one the drafter was trained with.")
+@click.option("--eval-anchors", type=int, help="Anchors scored, evenly spaced (0: all; default: as trained).")
+@click.option("--target-dir", type=click.Path(), help="Model folder (default: the one recorded in the checkpoint).")
+@click.option("--json", "as_json", is_flag=True)
+def drafter_eval(checkpoint, run, split, heldout_fraction, eval_anchors, target_dir, as_json) -> None:
+    """Score a saved drafter (acceptance length, first-token accuracy); appends to CHECKPOINT/metrics.jsonl."""
+    from pathlib import Path
+
+    from drafter.train import METRICS, evaluate_checkpoint
+
+    score = evaluate_checkpoint(checkpoint, run, split, heldout_fraction, eval_anchors, target_dir)
+    with open(Path(checkpoint) / METRICS, "a") as f:
+        f.write(json.dumps({"kind": "eval", "model": "checkpoint", "run": str(run), **score}) + "\n")
+    _emit(score, as_json, lambda s: _print_drafter_scores({"drafter": s}))
+
+
 @main.group("provenance")
 def provenance_group() -> None:
     """What a run was made from (provenance.json)."""
