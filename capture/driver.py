@@ -266,7 +266,10 @@ def _run_object_store(cfg: RunConfig, prep: Prepared, started: float, loc: Locat
     try:
         return _run_locked(cfg, prep, started, loc)
     finally:
-        loc.delete(manifest_mod.LOCK)
+        try:
+            loc.delete(manifest_mod.LOCK)
+        except OSError as e:  # the store fails: the run's own outcome is what to report
+            log.warning("cannot remove %s: %s; delete it before the next run", loc.join(manifest_mod.LOCK), e)
 
 
 def _run_locked(cfg: RunConfig, prep: Prepared, started: float, loc: Location) -> Summary:

@@ -89,6 +89,26 @@ def test_manifest_log_on_memory_fs():
         manifest_mod.read(loc)
 
 
+def test_object_store_writes_never_rename(monkeypatch):
+    """ShardWriter, manifest and provenance on an object store call no rename at all (the in-memory
+    file system involves no os call, so any os.rename / os.replace would be ours)."""
+    import os
+
+    import provenance
+
+    def refuse(*args):
+        raise AssertionError(f"rename called: {args}")
+
+    monkeypatch.setattr(os, "rename", refuse)
+    monkeypatch.setattr(os, "replace", refuse)
+    loc = memory_location()
+    infos = write_run(loc, [make_rows(0, 4), make_rows(1, 4, start=4)], target_bytes=1)
+    provenance.record.write(loc, {"x": 1})
+    assert len(infos) == 2 and sorted(loc.names()) == sorted([i.path for i in infos] + ["provenance.json"])
+    assert json.loads(loc.read_bytes("provenance.json")) == {"x": 1}
+    assert verify(loc).ok
+
+
 def write_run_shard(loc: Location, seed: int):
     writer = ShardWriter(loc, schema(HEADER), target_bytes=1 << 40)
     writer.write(make_rows(seed, 2, start=100 + 2 * seed))
@@ -179,6 +199,11 @@ def test_capture_run_on_object_store_commits_resumes_and_matches_local(tmp_path,
     prov = json.loads(loc.read_bytes("provenance.json"))
     assert [i["status"] for i in prov["invocations"]] == ["complete", "complete"]
     assert capture_cli("shards", "verify", uri).returncode == 0
+    plan = json.loads(capture_cli("run", "--out", uri, "--limit", "8", "--dry-run", *common, check=True).stdout)
+    assert plan["kept"] == 0 and plan["free_bytes"] is None  # everything committed; no disk to measure
+    loc.write_bytes(manifest_mod.LOCK, b"{}\n")  # what a killed capture leaves
+    r = capture_cli("run", "--out", uri, "--limit", "8", *common)
+    assert r.returncode == 2 and f"delete {loc.join(manifest_mod.LOCK)} and rerun" in r.stderr
 
     # rows through the training reader (any pyarrow FileSystem) equal the local run's, bit for bit
     remote = {r["sample_id"]: r for r in ShardStream(loc.path, filesystem=loc.filesystem)}
