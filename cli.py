@@ -24,6 +24,21 @@ class _Group(click.Group):
             sys.exit(2)
 
 
+class _RunDir(click.ParamType):
+    """A run: an existing local folder, or a URI (``s3://``, ``gs://``, ``objstore+file://``, ...; see
+    :mod:`shards.fs`), which is checked when it is read."""
+
+    name = "run_dir"
+
+    def convert(self, value, param, ctx):
+        if "://" in str(value):
+            return value
+        return click.Path(exists=True, file_okay=False).convert(value, param, ctx)
+
+
+RUN_DIR = _RunDir()
+
+
 def _emit(data, as_json: bool, render) -> None:
     if as_json:
         click.echo(json.dumps(data, indent=1, default=str))
@@ -70,7 +85,8 @@ def targets(as_json: bool) -> None:
 
 @main.command()
 @click.option("--config", "config_file", type=click.Path(), help="YAML file of run settings; flags override it.")
-@click.option("--out", help="Run folder (shards + manifest.jsonl). Rerun the same command to resume.")
+@click.option("--out", help="Run folder (shards + manifest.jsonl), or a URI such as s3://bucket/run (README: "
+              "Object stores). Rerun the same command to resume.")
 @click.option("--target", help="Preset (see `capture targets`) or a local model folder.")
 @click.option("--model-path", type=click.Path(), help="Local weights for a preset target (default: HF cache).")
 @click.option("--dataset", help="`sharegpt`, a local .json/.jsonl/.parquet/.arrow file, or a hub id.")
@@ -177,7 +193,7 @@ def shards() -> None:
 
 
 @shards.command("ls")
-@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("run_dir", type=RUN_DIR)
 @click.option("--json", "as_json", is_flag=True)
 def shards_ls(run_dir, as_json) -> None:
     """Committed shards, in commit order."""
@@ -188,7 +204,7 @@ def shards_ls(run_dir, as_json) -> None:
 
 
 @shards.command("stat")
-@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("run_dir", type=RUN_DIR)
 @click.option("--json", "as_json", is_flag=True)
 def shards_stat(run_dir, as_json) -> None:
     """Totals, bytes per token, per-source table."""
@@ -215,7 +231,7 @@ def shards_head(run_dir, n, as_json) -> None:
 
 
 @shards.command("verify")
-@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("run_dir", type=RUN_DIR)
 @click.option("--json", "as_json", is_flag=True)
 def shards_verify(run_dir, as_json) -> None:
     """Recompute sha256, check schema, rows and tokens against the manifest. Exit 1 on any problem."""
@@ -255,7 +271,7 @@ def shards_recode(src, dst, codec, shard_size, threads) -> None:
 
 
 @shards.command("gc")
-@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("run_dir", type=RUN_DIR)
 @click.option("--dry-run", is_flag=True, help="List what would be removed.")
 def shards_gc(run_dir, dry_run) -> None:
     """Remove shard files no manifest line names (left by interrupted runs). Refused while a capture

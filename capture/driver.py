@@ -9,6 +9,10 @@ are skipped before tokenization, and the dedup filter is seeded with the committ
 
 A run stops cleanly (everything committed stays committed, no completion record) when the disk is about
 to fill or fills; a run that keeps no record at all raises CaptureError with the counts by reason.
+
+``--out`` may name a run on any file system pyarrow supports (:mod:`shards.fs`). On an object store
+there is no rename and no append: shards are written under their final names, the manifest is one
+object per entry, the run lock is an advisory ``.capture.lock`` object, and free space is not checked.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import provenance
 from shards import codecs
 from shards import format as shard_format
 from shards import manifest as manifest_mod
+from shards.fs import Location, resolve
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +193,8 @@ def plan(cfg: RunConfig) -> Summary:
     """``--dry-run``: read, tokenize and filter exactly as the run would; estimate tokens and bytes
     (regenerate mode: the prompt tokens plus the whole generation budget, an upper bound)."""
     prep = prepare(cfg)
-    m = manifest_mod.read(cfg.out)
+    loc = resolve(cfg.out)
+    m = manifest_mod.read(loc)
     if m.header is not None and (diff := manifest_mod.identity_diff(m.header, prep.header)):
         raise CaptureError(f"{cfg.out} holds a run with a different {', '.join(diff)}; use another --out")
     manifest_mod.check_dataset(m, dataclasses.asdict(prep.dataset))
@@ -200,8 +206,9 @@ def plan(cfg: RunConfig) -> Summary:
     summary.estimated_tokens = tokens
     summary.estimated_bytes = int(tokens * bytes_per_token(prep.header))
     summary.estimated_bytes_by_codec = {c: int(tokens * bytes_per_token(prep.header, c)) for c in codecs.CODECS}
-    existing = next(p for p in (Path(cfg.out).resolve(), *Path(cfg.out).resolve().parents) if p.exists())
-    summary.free_bytes = _free_bytes(str(existing))
+    if loc.local:  # an object store has no free space to speak of
+        existing = next(p for p in (Path(loc.path).resolve(), *Path(loc.path).resolve().parents) if p.exists())
+        summary.free_bytes = _free_bytes(str(existing))
     summary.total_rows = sum(s["rows"] for s in m.shards)
     return summary
 
@@ -223,6 +230,10 @@ def run(cfg: RunConfig) -> Summary:
 
     started = time.time()
     prep = prepare(cfg)
+    loc = resolve(cfg.out)
+    if not loc.local:
+        return _run_object_store(cfg, prep, started, loc)
+    cfg = dataclasses.replace(cfg, out=loc.path)  # a file:// URI: its path from here on
     out = Path(cfg.out)
     if out.is_dir() and not (out / manifest_mod.MANIFEST).exists() and any(p.name != manifest_mod.LOCK for p in out.iterdir()):
         raise CaptureError(f"{cfg.out} is not empty and holds no capture run ({manifest_mod.MANIFEST}); "
@@ -238,31 +249,49 @@ def run(cfg: RunConfig) -> Summary:
     except OSError as e:
         raise CaptureError(f"cannot write to --out {cfg.out}: {e.strerror}") from None
     try:
-        return _run_locked(cfg, prep, started)
+        return _run_locked(cfg, prep, started, loc)
     finally:
         lock.release()
 
 
-def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
+def _run_object_store(cfg: RunConfig, prep: Prepared, started: float, loc: Location) -> Summary:
+    """:func:`run` on an object store: the run is marked by its advisory lock object for its duration."""
+    if manifest_mod.read(loc).header is None and (loc.names() or loc.names(manifest_mod.MANIFEST_DIR)):
+        raise CaptureError(f"{cfg.out} is not empty and holds no capture run ({manifest_mod.MANIFEST_DIR}/); "
+                           "give a new or empty prefix")
+    try:
+        manifest_mod.lock_object(loc)
+    except OSError as e:
+        raise CaptureError(f"cannot write to --out {cfg.out}: {e}") from None
+    try:
+        return _run_locked(cfg, prep, started, loc)
+    finally:
+        try:
+            loc.delete(manifest_mod.LOCK)
+        except OSError as e:  # the store fails: the run's own outcome is what to report
+            log.warning("cannot remove %s: %s; delete it before the next run", loc.join(manifest_mod.LOCK), e)
+
+
+def _run_locked(cfg: RunConfig, prep: Prepared, started: float, loc: Location) -> Summary:
     import ray
 
     try:
-        writer, manifest = manifest_mod.ManifestWriter.open(cfg.out, prep.header)
+        writer, manifest = manifest_mod.ManifestWriter.open(loc, prep.header)
         writer.dataset(manifest, dataclasses.asdict(prep.dataset))
     except OSError as e:
-        raise CaptureError(f"cannot write the manifest in {cfg.out}: {e.strerror}") from None
-    garbage = manifest_mod.garbage(cfg.out, manifest)
+        raise CaptureError(f"cannot write the manifest in {cfg.out}: {e.strerror or e}") from None
+    garbage = manifest_mod.garbage(loc, manifest)
     if garbage:
         log.warning("%s: %d uncommitted file(s) from an interrupted run are ignored (removed when this run completes)",
                     cfg.out, len(garbage))
-    if _free_bytes(cfg.out) < cfg.disk_reserve:
+    if loc.local and _free_bytes(cfg.out) < cfg.disk_reserve:
         raise CaptureError(f"only {_free_bytes(cfg.out) / 2**20:.0f} MiB free at {cfg.out}; free some space first")
     try:
-        record = provenance.start(cfg.out, header=prep.header, model_dir=prep.model_dir,
+        record = provenance.start(loc, header=prep.header, model_dir=prep.model_dir,
                                   dataset=dataclasses.asdict(prep.dataset), filters=_filter_settings(cfg),
                                   started=started)
     except OSError as e:
-        raise CaptureError(f"cannot write {provenance.PROVENANCE} in {cfg.out}: {e.strerror}") from None
+        raise CaptureError(f"cannot write {provenance.PROVENANCE} in {cfg.out}: {e.strerror or e}") from None
     summary = Summary(out=cfg.out)
     seen = manifest.token_hashes() if cfg.filters.dedup else set()
     per_token = bytes_per_token(prep.header)
@@ -283,8 +312,10 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
     gpus = cfg.tp if prep.engine.name == "vllm" and ray.cluster_resources().get("GPU", 0) else 0
     actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus)(_replica_class())
 
+    out = str(Path(cfg.out).resolve()) if loc.local else cfg.out  # a replica resolves the URI itself
+
     def make_actor():
-        return actor_cls.remote(prep.model_dir, prep.taps, prep.header, str(Path(cfg.out).resolve()),
+        return actor_cls.remote(prep.model_dir, prep.taps, prep.header, out,
                                 shard_size=cfg.shard_size, batch_tokens=cfg.batch_tokens, threads=cpus,
                                 codec_threads=cfg.codec_threads, engine=prep.engine, filters=cfg.filters)
 
@@ -315,7 +346,7 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
                            unit_timeout=cfg.unit_timeout, max_attempts=cfg.max_unit_attempts)
         for unit in _units(_records(cfg, prep, summary, manifest.sample_ids(), seen), cfg.unit_tokens):
             need = sum(r.num_tokens for r in unit) * per_token * (cfg.replicas + 1) + cfg.disk_reserve
-            if _free_bytes(cfg.out) < need:
+            if loc.local and _free_bytes(cfg.out) < need:
                 stop = f"only {_free_bytes(cfg.out) / 2**20:.0f} MiB free at {cfg.out}, the next unit needs ~{need / 2**20:.0f} MiB"
                 break
             pool.submit(unit)
@@ -332,18 +363,18 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
         if we_started_ray:
             ray.shutdown()
     summary.rejected = dict(rejected)
-    manifest_now = manifest_mod.read(cfg.out)
+    manifest_now = manifest_mod.read(loc)
     summary.total_rows = sum(s["rows"] for s in manifest_now.shards)
     summary.total_tokens = sum(s["tokens"] for s in manifest_now.shards)
     summary.seconds = round(time.time() - started, 2)
     ended = time.time()
     if stop:
-        _finish_provenance(cfg, record, summary, "stopped", ended)
+        _finish_provenance(loc, record, summary, "stopped", ended)
         raise CaptureError(
             f"stopped cleanly: {stop}; {summary.shards} shard(s) committed in this run, nothing half-written. "
             "Free some space and rerun the same command to resume"
         )
-    _remove_garbage(cfg.out)
+    _remove_garbage(loc)
     writer.complete({
         "end_time": provenance.record.utc_now(ended),
         "dataset": dataclasses.asdict(prep.dataset),
@@ -360,7 +391,7 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
         "total_rows": summary.total_rows,
         "total_tokens": summary.total_tokens,
     })
-    _finish_provenance(cfg, record, summary, "complete", ended)
+    _finish_provenance(loc, record, summary, "complete", ended)
     if summary.total_rows == 0:
         reasons = {**summary.skipped, **summary.rejected}
         detail = ", ".join(f"{k}={v}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])) or "no rows read"
@@ -368,23 +399,22 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float) -> Summary:
     return summary
 
 
-def _remove_garbage(out: str) -> None:
+def _remove_garbage(loc: Location) -> None:
     """Remove every uncommitted shard file at the end of a run: what failed replicas and killed runs left.
     Only the driver commits, so no file the manifest does not name can ever become part of the run; every
     live replica has finished and the run lock is held."""
-    removed = manifest_mod.garbage(out)
-    for path in removed:
-        path.unlink(missing_ok=True)
+    removed = manifest_mod.garbage(loc)
+    manifest_mod.remove(loc, removed)
     if removed:
         log.info("removed %d uncommitted shard file(s) left by failed replicas or interrupted runs", len(removed))
 
 
-def _finish_provenance(cfg: RunConfig, record: dict, summary: Summary, status: str, ended: float) -> None:
+def _finish_provenance(loc: Location, record: dict, summary: Summary, status: str, ended: float) -> None:
     try:
-        provenance.finish(cfg.out, record, status=status, rows_read=summary.rows_read,
+        provenance.finish(loc, record, status=status, rows_read=summary.rows_read,
                           rows_committed=summary.committed_rows, shards_committed=summary.shards, ended=ended)
     except OSError as e:  # a full disk: the shards and the manifest are what counts
-        log.warning("cannot update %s in %s: %s", provenance.PROVENANCE, cfg.out, e.strerror)
+        log.warning("cannot update %s in %s: %s", provenance.PROVENANCE, loc.path, e.strerror or e)
 
 
 def _filter_settings(cfg: RunConfig) -> dict:

@@ -12,7 +12,8 @@ Top-level values are those the run started with. Every invocation (the first run
 extension) appends one entry to ``invocations`` (start, end, status, rows read, rows committed); a value
 that differs from the top level in a later invocation (dataset, filters, engine, code, weights) is
 recorded in that entry under ``differs``. The file is written atomically (temporary file, fsync, rename,
-folder fsync) at the start of an invocation (its ``end_time`` null) and rewritten at its end.
+folder fsync) at the start of an invocation (its ``end_time`` null) and rewritten at its end; on an
+object store (see :mod:`shards.fs`) it is written whole as one object, which replaces the old one at once.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from capture.errors import CaptureError
 from capture.targets import gguf_path
 from capture.hashing import sha256_file_once
+from shards.fs import Location, as_location
 
 log = logging.getLogger(__name__)
 
@@ -96,14 +98,15 @@ def _git(src: Path) -> dict | None:
         return None
 
 
-def read(run_dir: str | os.PathLike) -> dict:
+def read(run_dir: str | os.PathLike | Location) -> dict:
     """The parsed ``provenance.json`` of ``run_dir``. Raises CaptureError when it is missing, not JSON,
     or lacks a required field."""
-    path = Path(run_dir) / PROVENANCE
+    loc = as_location(run_dir)
+    path = Path(loc.path) / PROVENANCE if loc.local else loc.join(PROVENANCE)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text() if loc.local else loc.read_bytes(PROVENANCE))
     except FileNotFoundError:
-        raise CaptureError(f"{run_dir}: no {PROVENANCE}") from None
+        raise CaptureError(f"{loc.path}: no {PROVENANCE}") from None
     except OSError as e:
         raise CaptureError(f"cannot read {path}: {e.strerror}") from None
     except ValueError as e:
@@ -114,9 +117,14 @@ def read(run_dir: str | os.PathLike) -> dict:
     return data
 
 
-def write(run_dir: str | os.PathLike, data: dict) -> None:
-    """Replace ``run_dir/provenance.json`` atomically: temporary file, fsync, rename, folder fsync."""
-    run_dir = Path(run_dir)
+def write(run_dir: str | os.PathLike | Location, data: dict) -> None:
+    """Replace ``run_dir/provenance.json`` atomically: temporary file, fsync, rename, folder fsync (object
+    store: one whole object)."""
+    loc = as_location(run_dir)
+    if not loc.local:
+        loc.write_bytes(PROVENANCE, json.dumps(data, indent=1, sort_keys=True).encode() + b"\n")
+        return
+    run_dir = Path(loc.path)
     tmp = run_dir / f".{PROVENANCE}.tmp"
     with open(tmp, "wb") as f:
         f.write(json.dumps(data, indent=1, sort_keys=True).encode() + b"\n")
@@ -130,7 +138,7 @@ def write(run_dir: str | os.PathLike, data: dict) -> None:
         os.close(fd)
 
 
-def start(run_dir: str | os.PathLike, *, header: dict, model_dir: str, dataset: dict, filters: dict,
+def start(run_dir: str | os.PathLike | Location, *, header: dict, model_dir: str, dataset: dict, filters: dict,
           started: float) -> dict:
     """Record the start of an invocation (``started``: seconds since the epoch) and write the file.
 
@@ -144,7 +152,8 @@ def start(run_dir: str | os.PathLike, *, header: dict, model_dir: str, dataset: 
                "code": code_version(), "dataset": dataset, "filters": filters}
     invocation = {"start_time": utc_now(started), "end_time": None, "status": "running", "rows_read": None,
                   "rows_committed": 0, "shards_committed": 0}
-    if (Path(run_dir) / PROVENANCE).exists():
+    loc = as_location(run_dir)
+    if (Path(loc.path) / PROVENANCE).exists() if loc.local else loc.exists(PROVENANCE):
         data = read(run_dir)
         differs = {k: v for k, v in current.items() if data.get(k) != v}
         if "weights" in differs:
@@ -172,7 +181,7 @@ def start(run_dir: str | os.PathLike, *, header: dict, model_dir: str, dataset: 
     return data
 
 
-def finish(run_dir: str | os.PathLike, data: dict, *, status: str, rows_read: int, rows_committed: int,
+def finish(run_dir: str | os.PathLike | Location, data: dict, *, status: str, rows_read: int, rows_committed: int,
            shards_committed: int, ended: float | None = None) -> None:
     """Close the current (last) invocation of ``data`` and write the file: ``status`` ``complete`` or
     ``stopped`` (a clean stop before the end), rows and shards this invocation read and committed,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pyarrow as pa
+import pyarrow.fs  # noqa: F401 - pa.fs
 import torch
 
 from shards import codecs
@@ -21,31 +22,36 @@ from shards.format import FormatError, read_header
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def read_table(path: str | os.PathLike, columns: list[str] | None = None) -> pa.Table:
+def read_table(path: str | os.PathLike, columns: list[str] | None = None,
+               filesystem: pa.fs.FileSystem | None = None) -> pa.Table:
     """All record batches of one shard, or only ``columns`` (the others are not read into memory);
-    ``num_tokens`` comes along with any state column. Raises FormatError for an unknown format version
-    or an unknown column."""
+    ``num_tokens`` comes along with any state column. ``filesystem``: read ``path`` on it (e.g. an
+    object store) instead of memory-mapping a local file. Raises FormatError for an unknown format
+    version or an unknown column."""
     try:
-        return _read_table(path, columns)
+        if filesystem is None:
+            with pa.memory_map(str(path)) as source:
+                return _read_table(source, path, columns)
+        with filesystem.open_input_file(str(path)) as source:
+            return _read_table(source, path, columns)
     except (OSError, pa.ArrowInvalid) as e:
         raise FormatError(f"cannot read shard {path}: {e}; `capture shards verify` checks the whole run") from None
 
 
-def _read_table(path, columns):
-    with pa.memory_map(str(path)) as source:
-        schema = pa.ipc.open_stream(source).schema
-        read_header(schema)
-        if columns is None:
-            source.seek(0)
-            return pa.ipc.open_stream(source).read_all()
-        missing = [c for c in columns if c not in schema.names]
-        if not columns or missing:
-            raise FormatError(f"{path}: no column(s) {missing or columns} (it has {', '.join(schema.names)})")
-        if any(schema.field(c).type == pa.large_binary() for c in columns) and "num_tokens" not in columns:
-            columns = [*columns, "num_tokens"]  # a state cell decodes with its row's token count
-        options = pa.ipc.IpcReadOptions(included_fields=[schema.get_field_index(c) for c in columns])
+def _read_table(source, path, columns):
+    schema = pa.ipc.open_stream(source).schema
+    read_header(schema)
+    if columns is None:
         source.seek(0)
-        return pa.ipc.open_stream(source, options=options).read_all()
+        return pa.ipc.open_stream(source).read_all()
+    missing = [c for c in columns if c not in schema.names]
+    if not columns or missing:
+        raise FormatError(f"{path}: no column(s) {missing or columns} (it has {', '.join(schema.names)})")
+    if any(schema.field(c).type == pa.large_binary() for c in columns) and "num_tokens" not in columns:
+        columns = [*columns, "num_tokens"]  # a state cell decodes with its row's token count
+    options = pa.ipc.IpcReadOptions(included_fields=[schema.get_field_index(c) for c in columns])
+    source.seek(0)
+    return pa.ipc.open_stream(source, options=options).read_all()
 
 
 def shard_paths(run_dir: str | os.PathLike) -> list[Path]:

@@ -103,13 +103,7 @@ class RunSource:
         """The parsed manifest (empty when there is none yet). Raises CaptureError for a damaged one."""
         if self.filesystem is None:
             return manifest_mod.read(self.path)
-        name = f"{self.path.rstrip('/')}/{manifest_mod.MANIFEST}"
-        try:
-            with self.filesystem.open_input_stream(name) as f:
-                data = f.read()
-        except FileNotFoundError:
-            return manifest_mod.Manifest(None, [], [], 0)
-        return manifest_mod.parse(data, name)
+        return manifest_mod.read_fs(self.filesystem, self.path)  # manifest.jsonl, else manifest.d/
 
     def table(self, shard: str) -> pa.Table:
         """One committed shard as a table. Raises FormatError for an unreadable shard."""

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from shards import manifest as manifest_mod
+from shards.fs import as_location
 from shards.reader import read_table, state_tensor
 
 
@@ -24,14 +25,17 @@ def stat(run_dir: str | os.PathLike) -> dict:
     Reads only the ``source``, token-count and (regenerate runs) ``finish_reasons`` columns of each shard
     (no state is decompressed); ``finish_reasons`` counts generated turns by reason.
     """
-    m = manifest_mod.read(run_dir)
+    loc = as_location(run_dir)
+    m = manifest_mod.read(loc)
     if m.header is None:
         return {"run": str(run_dir), "shards": 0}
     per_source: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     regenerated = (m.header.get("responses") or {}).get("mode") == "regenerate"
     finished: collections.Counter = collections.Counter()
-    for path in (Path(run_dir) / s["path"] for s in m.shards):
-        t = read_table(path, ["source", "num_tokens", "num_loss_tokens"] + (["finish_reasons"] if regenerated else []))
+    fs = None if loc.local else loc.filesystem
+    for path in (Path(loc.path) / s["path"] if loc.local else loc.join(s["path"]) for s in m.shards):
+        t = read_table(path, ["source", "num_tokens", "num_loss_tokens"] + (["finish_reasons"] if regenerated else []),
+                       filesystem=fs)
         for src, n, k in zip(t["source"].to_pylist(), t["num_tokens"].to_pylist(), t["num_loss_tokens"].to_pylist()):
             per_source[src].update(rows=1, tokens=n, loss_tokens=k)
         if regenerated:

@@ -5,23 +5,27 @@ run's identity, its rows, sample ids, tokens and supervised tokens equal the man
 self-consistent (``num_tokens`` = len(input_ids) = len(loss_mask) = len(argmax), ``num_loss_tokens`` =
 sum(loss_mask), every state cell decodes to ``[T, H]``, ``token_sha256`` recomputes, ``finish_reasons``
 fits the run's responses mode). Across shards: no sample id twice. Files in the folder that no manifest
-line names are reported as garbage, not errors.
+line names are reported as garbage, not errors. A run on an object store (a URI, see :mod:`shards.fs`)
+is read through its file system.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 import zstandard
 
 from capture.errors import CaptureError
 from capture.hashing import sha256_file, token_sha256
 from shards import manifest as manifest_mod
+from shards.fs import Location, as_location
 from shards.format import STATE_TYPE, FormatError, read_header
 from shards.manifest import identity_diff
 from shards.reader import read_table, state_tensor
@@ -67,23 +71,43 @@ def check_file(path: str | os.PathLike, size: int, sha256: str) -> FileMismatch 
     return None
 
 
-def verify(run_dir: str | os.PathLike) -> Report:
-    """Check the run in ``run_dir``; problems are listed, never raised (a missing manifest is one)."""
-    run_dir = Path(run_dir)
+def check_object(loc: Location, name: str, size: int, sha256: str) -> FileMismatch | None:
+    """:func:`check_file` for the object ``name`` of a run on any file system (streamed, 1 MiB reads)."""
+    path = loc.join(name)
+    info = loc.filesystem.get_file_info(path)
+    if info.type != pafs.FileType.File:
+        return FileMismatch(path, "missing", size, None)
+    if info.size != size:
+        return FileMismatch(path, "bytes", size, info.size)
+    sha = hashlib.sha256()
+    with loc.filesystem.open_input_stream(path) as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+    if sha.hexdigest() != sha256:
+        return FileMismatch(path, "sha256", sha256, sha.hexdigest())
+    return None
+
+
+def verify(run_dir: str | os.PathLike | Location) -> Report:
+    """Check the run in ``run_dir`` (a path, a URI or a Location); problems are listed, never raised (a
+    missing manifest is one)."""
+    loc = as_location(run_dir)
+    run_dir = Path(loc.path) if loc.local else loc.path
     report = Report()
     try:
-        m = manifest_mod.read(run_dir)
+        m = manifest_mod.read(loc)
     except CaptureError as e:  # a damaged manifest is a finding, like a damaged shard
         report.problems.append(str(e))
         return report
     if m.header is None:
-        report.problems.append(f"{run_dir}: no manifest with a header ({manifest_mod.MANIFEST})")
+        kind = manifest_mod.MANIFEST if loc.local else f"{manifest_mod.MANIFEST_DIR}/"
+        report.problems.append(f"{run_dir}: no manifest with a header ({kind})")
         return report
     report.complete = m.complete
     seen: set[str] = set()
     for entry in m.shards:
         report.shards += 1
-        problems = _verify_shard(run_dir, entry, m.header)
+        problems = _verify_shard(loc, entry, m.header)
         report.problems += [f"{entry['path']}: {p}" for p in problems]
         dups = seen.intersection(entry["sample_ids"])
         if dups:
@@ -91,7 +115,7 @@ def verify(run_dir: str | os.PathLike) -> Report:
         seen.update(entry["sample_ids"])
         report.rows += entry["rows"]
         report.tokens += entry["tokens"]
-    report.garbage = [p.name for p in manifest_mod.garbage(run_dir, m)]
+    report.garbage = [p.name for p in manifest_mod.garbage(loc, m)]
     return report
 
 
@@ -108,9 +132,13 @@ def _check_finish_reasons(reasons: list, header: dict, ids: list[str]) -> list[s
     return [f"finish_reasons not {want} in {len(bad)} row(s), e.g. {ids[bad[0]]}"] if bad else []
 
 
-def _verify_shard(run_dir: Path, entry: dict, header: dict) -> list[str]:
-    path = run_dir / entry["path"]
-    bad = check_file(path, entry["bytes"], entry["sha256"])
+def _verify_shard(loc: Location, entry: dict, header: dict) -> list[str]:
+    if loc.local:
+        path, filesystem = Path(loc.path) / entry["path"], None
+        bad = check_file(path, entry["bytes"], entry["sha256"])
+    else:
+        path, filesystem = loc.join(entry["path"]), loc.filesystem
+        bad = check_object(loc, entry["path"], entry["bytes"], entry["sha256"])
     if bad is not None:
         if bad.field == "missing":
             return ["missing"]
@@ -118,7 +146,7 @@ def _verify_shard(run_dir: Path, entry: dict, header: dict) -> list[str]:
             return [f"size {bad.actual} != manifest {bad.expected}"]
         return [f"sha256 {bad.actual[:16]}… != manifest {bad.expected[:16]}…"]
     try:
-        table = read_table(path)
+        table = read_table(path, filesystem=filesystem)
         diff = identity_diff(header, read_header(table.schema))
     except (pa.ArrowInvalid, FormatError) as e:
         return [f"unreadable: {e}"]

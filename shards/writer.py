@@ -6,6 +6,10 @@ file fsynced and renamed to a name no other writer can pick (``shard-<utc time>-
 the directory fsynced. The SHA-256 is computed from the bytes as they are written. The shard is still
 uncommitted: it becomes part of the run only when the driver appends its :class:`ShardInfo` to the
 manifest (:mod:`shards.manifest`); a file no manifest line names is garbage (``capture shards gc``).
+
+Outside a local folder (an object store, see :mod:`shards.fs`) there is no rename and no fsync: the shard
+is streamed straight to its final unique name, hashed as it is written, and the object exists only once
+its stream is closed; a shard aborted mid-write is deleted (best effort; a leftover is garbage as above).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import pyarrow as pa
 import torch
 
 from shards import codecs
+from shards.fs import Location, as_location
 from shards.format import METADATA_KEY, STATE_TYPE
 
 TMP_PREFIX = ".tmp-"
@@ -101,8 +106,8 @@ def record_batch(schema: pa.Schema, rows: Sequence[Row], encode: Callable = None
 class _HashingFile:
     """File-like sink that hashes and counts what pyarrow writes through it."""
 
-    def __init__(self, path: Path):
-        self.file = open(path, "xb")  # never overwrite: names are unique
+    def __init__(self, file):
+        self.file = file
         self.sha = hashlib.sha256()
         self.size = 0
         self.closed = False
@@ -138,8 +143,9 @@ class ShardWriter:
     Raises OSError (e.g. ENOSPC) from the file system; the temporary file is removed first.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, schema: pa.Schema, target_bytes: int, threads: int = 1):
-        self.out_dir = Path(out_dir)
+    def __init__(self, out_dir: str | os.PathLike | Location, schema: pa.Schema, target_bytes: int, threads: int = 1):
+        self.location = as_location(out_dir)
+        self.out_dir = Path(self.location.path)
         self.schema = schema
         self.target_bytes = target_bytes
         self.codec = json.loads(schema.metadata[METADATA_KEY])["codec"]
@@ -155,7 +161,10 @@ class ShardWriter:
         try:
             if self._open is None:
                 name = f"shard-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:12]}.arrow"
-                sink = _HashingFile(self.out_dir / (TMP_PREFIX + name))
+                if self.location.local:
+                    sink = _HashingFile(open(self.out_dir / (TMP_PREFIX + name), "xb"))  # never overwrite
+                else:  # an object store: the final name at once; the object appears on close
+                    sink = _HashingFile(self.location.filesystem.open_output_stream(self.location.join(name)))
                 self._open = (name, sink, pa.ipc.new_stream(sink, self.schema, options=self.options))
             self._open[2].write_batch(record_batch(self.schema, rows, self._encode))
         except BaseException:
@@ -170,17 +179,21 @@ class ShardWriter:
         return list(self.pool.map(lambda t: codecs.encode(self.codec, t), tensors))
 
     def close(self) -> list[ShardInfo]:
-        """Finish the open shard (if any): end the stream, fsync, rename. Returns its info."""
+        """Finish the open shard (if any): end the stream, fsync, rename (object store: close the
+        object). Returns its info."""
         if self._open is None:
             return []
         name, sink, stream = self._open
         try:
             stream.close()
-            sink.file.flush()
-            os.fsync(sink.file.fileno())
-            sink.file.close()
-            os.rename(self.out_dir / (TMP_PREFIX + name), self.out_dir / name)
-            fsync_dir(self.out_dir)
+            if self.location.local:
+                sink.file.flush()
+                os.fsync(sink.file.fileno())
+                sink.file.close()
+                os.rename(self.out_dir / (TMP_PREFIX + name), self.out_dir / name)
+                fsync_dir(self.out_dir)
+            else:
+                sink.file.close()
         except BaseException:
             self.abort()
             raise
@@ -198,7 +211,7 @@ class ShardWriter:
         return [info]
 
     def abort(self) -> None:
-        """Drop the open shard and its temporary file (nothing of it was committed)."""
+        """Drop the open shard and its temporary file or object (nothing of it was committed)."""
         if self._open is None:
             return
         name, sink, _ = self._open
@@ -208,4 +221,10 @@ class ShardWriter:
         except OSError:
             pass
         finally:
-            (self.out_dir / (TMP_PREFIX + name)).unlink(missing_ok=True)
+            if self.location.local:
+                (self.out_dir / (TMP_PREFIX + name)).unlink(missing_ok=True)
+            else:
+                try:
+                    self.location.delete(name)
+                except OSError:
+                    pass  # the store is failing: the object, if any, stays as garbage
