@@ -91,6 +91,25 @@ def in_split(sample_id: str, split: str, heldout_fraction: float) -> bool:
     return (heldout_score(sample_id) < heldout_fraction) == (split == "heldout")
 
 
+def row_sample(table: pa.Table, row: int, taps_layers: Sequence[int], argmax: bool, final: bool) -> dict:
+    """Row ``row`` of a shard table (it must hold ``num_tokens`` with any state column) as a sample dict
+    (the module docstring's contract): taps ``taps_layers`` stacked in that order, ``argmax`` and
+    ``final`` included when asked."""
+    ids = table.column("input_ids")[row].values
+    out = {
+        "sample_id": table.column("sample_id")[row].as_py(),
+        "source": table.column("source")[row].as_py(),
+        "input_ids": torch.from_numpy(ids.to_numpy().astype(np.int64)),
+        "loss_mask": torch.from_numpy(table.column("loss_mask")[row].values.to_numpy(zero_copy_only=False)),
+    }
+    if argmax:
+        out["argmax"] = torch.from_numpy(table.column("argmax")[row].values.to_numpy().astype(np.int64))
+    out["taps"] = torch.stack([state_tensor(table, f"tap_{k}", row) for k in taps_layers], dim=1)
+    if final:
+        out["final"] = state_tensor(table, "final", row)
+    return out
+
+
 @dataclass(frozen=True)
 class RunSource:
     """Where a run folder lives: a local path (``filesystem`` None: memory-mapped reads) or a path on a
@@ -250,19 +269,7 @@ class ShardStream(IterableDataset):
 
     def sample(self, table: pa.Table, row: int) -> dict:
         """Row ``row`` of a shard table as a sample dict (the module docstring's contract)."""
-        ids = table.column("input_ids")[row].values
-        out = {
-            "sample_id": table.column("sample_id")[row].as_py(),
-            "source": table.column("source")[row].as_py(),
-            "input_ids": torch.from_numpy(ids.to_numpy().astype(np.int64)),
-            "loss_mask": torch.from_numpy(table.column("loss_mask")[row].values.to_numpy(zero_copy_only=False)),
-        }
-        if self.has_argmax:
-            out["argmax"] = torch.from_numpy(table.column("argmax")[row].values.to_numpy().astype(np.int64))
-        out["taps"] = torch.stack([state_tensor(table, f"tap_{k}", row) for k in self.taps_layers], dim=1)
-        if self.final_kind is not None:
-            out["final"] = state_tensor(table, "final", row)
-        return out
+        return row_sample(table, row, self.taps_layers, self.has_argmax, self.final_kind is not None)
 
     # ---------------------------------------------------------------- epochs and resume
 
