@@ -69,7 +69,7 @@ class RunConfig:
     replicas: int = 1
     cpus_per_replica: int | None = None  # None: all CPUs Ray sees, split over replicas
     ray_address: str | None = None  # None: start a local Ray instance
-    engine: str = "auto"  # hf | vllm | auto (vllm when installed and a GPU is visible, else hf)
+    engine: str = "auto"  # hf | vllm | exl3 | auto (vllm when installed and a GPU is visible, else hf)
     vllm_path: str = "auto"  # extract | hooks | auto (hooks for MLA targets); see capture.engines.vllm
     tp: int = 1  # vLLM tensor-parallel size (GPUs per replica)
     max_model_len: int | None = None  # vLLM context length (None: the model's)
@@ -90,7 +90,7 @@ _CHOICES = {
     "responses": ("dataset", "regenerate"),
     "regenerate_policy": ("last", "every"),
     "codec": ("bf16", "bf16-split", "fp8-e4m3"),
-    "engine": ("auto", "hf", "vllm"),
+    "engine": ("auto", "hf", "vllm", "exl3"),
     "vllm_path": ("auto", "extract", "hooks"),
 }
 _INTS = {  # field: smallest allowed value (None allowed where the default is None)

@@ -100,13 +100,15 @@ def prepare(cfg: RunConfig) -> Prepared:
         if vllm_only:
             why = " (--engine auto picks vllm only when vLLM is installed and a GPU is visible)" if cfg.engine == "auto" else ""
             raise CaptureError(f"{vllm_only[0]} applies only to the vllm engine; this run uses {engine.name}{why}")
+    if engine.name == "exl3" and cfg.responses == "regenerate":
+        raise CaptureError("--engine exl3 captures prefills only; --responses regenerate needs the hf or vllm engine")
     header = shard_format.header(
         target={"name": target.name, "source": target.source, "revision": target.revision,
                 "architecture": target.architecture, "num_layers": target.num_layers},
         taps=taps.describe(),
         columns=list(taps.columns),
         hidden_size=target.hidden_size,
-        dtype=target.dtype,
+        dtype="float16" if engine.name == "exl3" else target.dtype,  # exllamav3 exports fp16 states
         codec=cfg.codec,
         argmax=cfg.argmax,
         chat_template=encoder.template,

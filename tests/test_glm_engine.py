@@ -1,0 +1,137 @@
+"""Tiny random-weight GLM targets (the real ``glm_moe_dsa`` / ``glm5_next`` architectures at toy size,
+tests/glm_fixtures.py) captured end to end with ``capture run --target <folder>`` on the HF engine, every
+stored tap checked against an independent float32 reference forward.
+
+The reference is the whole model's forward (``model(input_ids)``, not the decoder the engine calls) with
+forward hooks on every decoder layer, one record at a time, no padding; ``glm5_next``'s 4 residual
+streams are reduced here by an explicit ``.mean(dim=2)`` (the convention in capture.targets), and the
+reference checks that this convention is the model's own: ``lm_head(norm(mean(layer L-1)))`` reproduces
+the model's logits.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import capture_cli
+from glm_fixtures import build_fixture
+
+LAYERS = (0, 2, 4)  # 5-layer fixtures: first, middle (the glm5_next MLA layer is 3), last
+ROWS = [
+    {"messages": [{"role": "user", "content": "What is the weather in Paris today?"},
+                  {"role": "assistant", "content": None, "reasoning_content": "Let me think about this step by step.",
+                   "tool_calls": [{"function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                  {"role": "tool", "content": "{\"temp\": 18, \"sky\": \"clear\"}"},
+                  {"role": "assistant", "content": "It is 18 degrees and clear.", "reasoning_content": "Clear sky."}]},
+    {"conversations": [{"from": "human", "value": "Hello! How can I help you? " * 3},
+                       {"from": "gpt", "value": "The quick brown fox jumps over the lazy dog. " * 4}]},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "6 times 7?"},
+                  {"role": "assistant", "content": "42", "reasoning_content": "6 times 7 is 42."},
+                  {"role": "user", "content": "Thanks"}, {"role": "assistant", "content": "You are welcome."}]},
+]
+
+
+def _cos(a, b):
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+
+
+@pytest.fixture(scope="module", params=["glm_moe_dsa", "glm5_next"])
+def fixture_dir(request, tmp_path_factory):
+    return build_fixture(request.param, tmp_path_factory.mktemp(request.param) / "model")
+
+
+@pytest.fixture(scope="module")
+def captured(fixture_dir, tmp_path_factory):
+    from shards.reader import iter_rows
+
+    tmp = tmp_path_factory.mktemp("run")
+    data = tmp / "glm.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    out = tmp / "run"
+    proc = capture_cli("run", "--target", str(fixture_dir), "--dataset", str(data), "--layers",
+                       ",".join(map(str, LAYERS)), "--final", "post-norm", "--out", str(out), "--no-progress",
+                       "--json", check=True)
+    return json.loads(proc.stdout), list(iter_rows(out)), out
+
+
+@pytest.fixture(scope="module")
+def reference(fixture_dir):
+    """float32 reference: ``fn(ids) -> ({layer: [T, H]}, post-norm [T, H], logits [T, V])``."""
+    from capture.engines.hf import load_causal_lm
+
+    model = load_causal_lm(str(fixture_dir), torch.float32)
+    layers = model.get_decoder().layers
+    seen = {}
+    for k, layer in enumerate(layers):
+        layer.register_forward_hook(lambda _m, _i, out, k=k: seen.__setitem__(k, out[0] if isinstance(out, tuple) else out))
+
+    @torch.inference_mode()
+    def run(ids):
+        seen.clear()
+        out = model(input_ids=torch.as_tensor(np.asarray(ids, dtype=np.int64))[None], output_hidden_states=True)
+        states = {}
+        for k, h in seen.items():
+            h = h[0]
+            states[k] = h.mean(dim=1) if h.dim() == 3 else h  # [T, N, H] streams → [T, H]
+        decoder = model.get_decoder()
+        normed = decoder.norm(states[len(layers) - 1])
+        # the convention is the model's own: the LM head on norm(reduced last layer) gives the model's logits
+        torch.testing.assert_close(model.get_output_embeddings()(normed), out.logits[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(normed, out.hidden_states[-1][0], rtol=1e-5, atol=1e-5)
+        return states, normed, out.logits[0]
+
+    return run
+
+
+def test_every_tap_matches_reference(captured, reference, fixture_dir):
+    summary, rows, _ = captured
+    assert len(rows) == len(ROWS) == summary["committed_rows"]
+    worst = {}
+    for row in rows:
+        states, normed, logits = reference(row["input_ids"])
+        for k in LAYERS:
+            got = row[f"tap_{k}"]
+            assert got.dtype == torch.bfloat16 and got.shape == (len(row["input_ids"]), 64)
+            worst[f"tap_{k}"] = min(worst.get(f"tap_{k}", 1.0), _cos(got, states[k]).min().item())
+        worst["final"] = min(worst.get("final", 1.0), _cos(row["final"], normed).min().item())
+        agree = (row["argmax"] == logits.argmax(-1).numpy()).mean()
+        assert agree >= 0.9, agree  # bf16 vs float32 on random weights: near-ties may flip
+    print(fixture_dir.parent.name, {k: round(v, 5) for k, v in worst.items()})
+    assert min(worst.values()) > 0.99, worst
+
+
+def test_float32_engine_equals_reference(fixture_dir, reference):
+    """Same definition, no bf16: the engine's float32 taps equal the reference to float precision, with
+    two records padded into one batch."""
+    from capture.engines.hf import HFEngine
+    from capture.targets import make_taps, resolve_target
+
+    target = resolve_target(str(fixture_dir))
+    eng = HFEngine(str(fixture_dir), make_taps(target, LAYERS, "post-norm"),
+                   dtype="float32")
+    ids = [np.arange(5, 45, dtype=np.int32), np.arange(100, 160, dtype=np.int32)]
+    for seq, cap in zip(ids, eng.forward(ids)):
+        states, normed, logits = reference(seq)
+        for k in LAYERS:
+            torch.testing.assert_close(cap.states[f"tap_{k}"], states[k], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(cap.states["final"], normed, rtol=1e-4, atol=1e-4)
+        assert (cap.argmax == logits.argmax(-1).numpy()).all()
+
+
+def test_run_header_records_glm_conventions(captured, fixture_dir):
+    from shards.format import read_header
+    from shards.reader import read_table, shard_paths
+
+    _, rows, out = captured
+    header = read_header(read_table(shard_paths(out)[0]).schema)
+    arch = json.loads((fixture_dir / "config.json").read_text())["model_type"]
+    assert header["target"]["architecture"] == arch
+    assert ("stream_reduction" in header["taps"]) == (arch == "glm5_next")
+    if arch == "glm5_next":
+        assert header["taps"]["residual_streams"] == 4
+    # the GLM template and its masks made it into the shards: the tool turn's row has supervised reasoning
+    assert all(r["loss_mask"].any() for r in rows)
