@@ -1,12 +1,20 @@
 """Tiny random-weight GLM targets (the real ``glm_moe_dsa`` / ``glm5_next`` architectures at toy size,
 tests/glm_fixtures.py) captured end to end with ``capture run --target <folder>`` on the HF engine, every
-stored tap checked against an independent float32 reference forward.
+stored tap checked against an independent reference forward.
 
 The reference is the whole model's forward (``model(input_ids)``, not the decoder the engine calls) with
-forward hooks on every decoder layer, one record at a time, no padding; ``glm5_next``'s 4 residual
-streams are reduced here by an explicit ``.mean(dim=2)`` (the convention in capture.targets), and the
-reference checks that this convention is the model's own: ``lm_head(norm(mean(layer L-1)))`` reproduces
-the model's logits.
+forward hooks on every decoder layer, one record at a time, no padding, in the run's dtype (bf16) and in
+float32; ``glm5_next``'s 4 residual streams are reduced here by an explicit ``.mean(dim=1)`` of each ``[T, N, H]`` layer output (the
+convention in capture.targets), and the reference checks that this convention is the model's own:
+``lm_head(norm(mean(layer L-1)))`` reproduces the model's logits.
+
+Random-weight GLM models are very sensitive to bf16: the DSA indexer's top-k and the MoE router are
+discrete choices, and near-flat random logits tie (a bf16 padded batch of glm5_next, equal in float32,
+moves tap 4 to cosine 0.96 through such flips). Measured on these fixtures, a bf16 forward of the
+model itself against float32 has per-token cosine min 0.80 at the last layer of ``glm_moe_dsa`` (0.97 for
+``glm5_next``). So the stored bf16 states are held to the bf16 reference (bit-exact expected) and the
+definition is cross-checked in float32 (engine with dtype float32 vs the float32 reference, 1e-4),
+with two records of different lengths in one batch.
 """
 
 from __future__ import annotations
@@ -54,16 +62,16 @@ def captured(fixture_dir, tmp_path_factory):
     out = tmp / "run"
     proc = capture_cli("run", "--target", str(fixture_dir), "--dataset", str(data), "--layers",
                        ",".join(map(str, LAYERS)), "--final", "post-norm", "--out", str(out), "--no-progress",
+                       "--batch-tokens", "1",  # one record per forward: padding is checked in float32 below
                        "--json", check=True)
     return json.loads(proc.stdout), list(iter_rows(out)), out
 
 
-@pytest.fixture(scope="module")
-def reference(fixture_dir):
-    """float32 reference: ``fn(ids) -> ({layer: [T, H]}, post-norm [T, H], logits [T, V])``."""
+def make_reference(fixture_dir, dtype):
+    """Reference forward: ``fn(ids) -> ({layer: [T, H]}, post-norm [T, H], logits [T, V])`` in ``dtype``."""
     from capture.engines.hf import load_causal_lm
 
-    model = load_causal_lm(str(fixture_dir), torch.float32)
+    model = load_causal_lm(str(fixture_dir), dtype)
     layers = model.get_decoder().layers
     seen = {}
     for k, layer in enumerate(layers):
@@ -80,28 +88,62 @@ def reference(fixture_dir):
         decoder = model.get_decoder()
         normed = decoder.norm(states[len(layers) - 1])
         # the convention is the model's own: the LM head on norm(reduced last layer) gives the model's logits
-        torch.testing.assert_close(model.get_output_embeddings()(normed), out.logits[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(normed, out.hidden_states[-1][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.get_output_embeddings()(normed), out.logits[0])  # dtype's tolerance
+        torch.testing.assert_close(normed, out.hidden_states[-1][0])
         return states, normed, out.logits[0]
 
     return run
 
 
-def test_every_tap_matches_reference(captured, reference, fixture_dir):
+@pytest.fixture(scope="module")
+def reference(fixture_dir):
+    return make_reference(fixture_dir, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def reference_bf16(fixture_dir):
+    return make_reference(fixture_dir, torch.bfloat16)
+
+
+def test_every_tap_matches_reference(captured, reference_bf16, reference, fixture_dir):
     summary, rows, _ = captured
     assert len(rows) == len(ROWS) == summary["committed_rows"]
-    worst = {}
+    worst, worst32 = {}, {}
     for row in rows:
-        states, normed, logits = reference(row["input_ids"])
-        for k in LAYERS:
-            got = row[f"tap_{k}"]
+        states, normed, logits = reference_bf16(row["input_ids"])
+        states32, normed32, _ = reference(row["input_ids"])
+        for k, ref, ref32 in [(f"tap_{k}", states[k], states32[k]) for k in LAYERS] + [("final", normed, normed32)]:
+            got = row[k]
             assert got.dtype == torch.bfloat16 and got.shape == (len(row["input_ids"]), 64)
-            worst[f"tap_{k}"] = min(worst.get(f"tap_{k}", 1.0), _cos(got, states[k]).min().item())
-        worst["final"] = min(worst.get("final", 1.0), _cos(row["final"], normed).min().item())
+            worst[k] = min(worst.get(k, 1.0), _cos(got, ref).min().item())
+            worst32[k] = min(worst32.get(k, 1.0), _cos(got, ref32).min().item())
         agree = (row["argmax"] == logits.argmax(-1).numpy()).mean()
-        assert agree >= 0.9, agree  # bf16 vs float32 on random weights: near-ties may flip
-    print(fixture_dir.parent.name, {k: round(v, 5) for k, v in worst.items()})
-    assert min(worst.values()) > 0.99, worst
+        assert agree >= 0.95, agree  # same logits up to the LM head's matmul shape; bf16 ties may break apart
+    # the run's bf16 states are the model's own bf16 forward (up to kernel threading: measured min 0.9999997)
+    assert min(worst.values()) > 0.9999, worst
+    print(f"\n{fixture_dir.parent.name}: stored bf16 vs bf16 reference min cosine {worst}; "
+          f"vs float32 reference {dict((k, round(v, 4)) for k, v in worst32.items())}")
+
+
+def test_glm_moe_dsa_padding_changes_states_in_transformers(fixture_dir):
+    """Why the HF engine prefills glm_moe_dsa records one at a time: the model's own right-padded batch
+    gives the shorter record other states than its forward alone (float32, tap 0). glm5_next does not."""
+    from capture.engines.hf import load_causal_lm
+
+    arch = json.loads((fixture_dir / "config.json").read_text())["model_type"]
+    model = load_causal_lm(str(fixture_dir), torch.float32)
+    a, b = torch.arange(5, 45), torch.arange(100, 160)
+    batch = torch.zeros(2, 60, dtype=torch.long)
+    batch[0, :40], batch[1] = a, b
+    mask = (torch.arange(60) < torch.tensor([[40], [60]])).long()
+    with torch.inference_mode():
+        padded = model(input_ids=batch, attention_mask=mask, output_hidden_states=True).hidden_states[1][0, :40]
+        alone = model(input_ids=a[None], output_hidden_states=True).hidden_states[1][0]
+    diff = (padded - alone).abs().max().item()
+    if arch == "glm_moe_dsa":
+        assert diff > 1e-3, diff  # if this fails, transformers fixed it: drop it from UNPADDED_ARCHITECTURES
+    else:
+        assert diff < 1e-5, diff
 
 
 def test_float32_engine_equals_reference(fixture_dir, reference):

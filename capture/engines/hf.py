@@ -10,7 +10,11 @@ final norm (``post-norm``) or of layer L-1 (``pre-norm``); see :mod:`capture.tar
 
 Batches are right-padded: with causal attention a real token never attends to a later pad, so padding
 does not change a real token's states beyond bf16 kernel differences between batch shapes (the tests
-measure them against an unpadded reference). When neither ``argmax`` nor the post-norm final state is
+measure them against an unpadded reference). Exception: transformers' ``glm_moe_dsa`` (GLM-5.x; its DSA
+sparse indexer) gives a right-padded record other states than the same record alone, even in float32
+(measured on the tiny fixture: tap 0 off by 1.2e-2 from token 12 on, the final state by 1.19; asserted in
+tests/test_glm_engine.py), so targets listed in :data:`UNPADDED_ARCHITECTURES` are prefilled one record per
+forward. When neither ``argmax`` nor the post-norm final state is
 needed, the forward stops right after the last tapped layer.
 
 ``argmax[t]`` is the target's greedy prediction for token t+1: ``argmax(lm_head(norm(h_{L-1}))[t])``,
@@ -34,6 +38,10 @@ from capture.engines.base import Captured, Generated, Sampling
 from capture.targets import Taps, reduce_streams
 
 __all__ = ["Captured", "Generated", "HFEngine", "Sampling"]
+
+
+# model types whose padded batches change real tokens' states (see the module docstring)
+UNPADDED_ARCHITECTURES = frozenset({"glm_moe_dsa"})
 
 
 class _StopForward(Exception):
@@ -70,6 +78,7 @@ class HFEngine:
         self.want_argmax = argmax
         self.model = load_causal_lm(model_dir, getattr(torch, dtype), device_map)
         self.device = self.model.get_input_embeddings().weight.device
+        self.one_at_a_time = self.model.config.model_type in UNPADDED_ARCHITECTURES
         self.decoder = self.model.get_decoder()
         self.layers = self.decoder.layers
         self.num_layers = len(self.layers)
@@ -103,6 +112,8 @@ class HFEngine:
     @torch.inference_mode()
     def forward(self, batch: Sequence[np.ndarray]) -> list[Captured]:
         """Prefill a batch of token id arrays (int32 ``[T_i]``) and return one :class:`Captured` each."""
+        if self.one_at_a_time and len(batch) > 1:
+            return [c for ids in batch for c in self.forward([ids])]
         lengths = [len(ids) for ids in batch]
         width = max(lengths)
         input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
