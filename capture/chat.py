@@ -317,6 +317,17 @@ def load_encoder(
                        template_boilerplate(tok, template))
 
 
+def packaged_template(name: str) -> str | None:
+    """Path of the chat template this package ships for chat format ``name`` (``capture/templates/
+    <name>.jinja``: ``glm``), or None. Presets with such a format use it unless ``--chat-template`` is
+    given: the model's own serving template leaves the last assistant turn open (GLM ends a turn at the
+    next role token), which the loss mask cannot close."""
+    from importlib.resources import files
+
+    path = files("capture").joinpath(f"templates/{name}.jinja")
+    return str(path) if name and path.is_file() else None
+
+
 def template_boilerplate(tokenizer, template: str) -> tuple[int, ...]:
     """Token ids of GLM's empty ``<think></think>`` when ``template`` inserts one (its text contains it),
     else ``()``. See the module docstring."""

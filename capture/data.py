@@ -449,9 +449,10 @@ def _normalize_structured(turns: list, alternation: Alternation) -> tuple[_Struc
     would break the call → result pairing); the one fix is ``trailing_user_removed`` (unanswered user or
     tool turns at the end). Skip reasons besides the plain path's: ``malformed_tool_call`` (a call without
     a string name, or arguments that are not a JSON object) and ``turn_order``: the body must be
-    ``user (assistant | tool)*`` where a tool turn follows an assistant turn with tool calls or another
-    tool turn, an assistant turn with tool calls is followed by a tool turn (or ends the row), and a user
-    turn follows a user-free point (start, an assistant turn without calls, or a tool turn).
+    ``user (assistant | tool | user)*`` where a tool turn follows an assistant turn with tool calls or
+    another tool turn, an assistant turn follows a user or tool turn, and a user turn opens the body or
+    follows an assistant turn without calls or a tool turn (so a call is always answered by its results
+    before anything else, and two user turns never meet: they are not merged here).
     An assistant turn's content may be null or empty when it has tool calls or reasoning."""
     messages: list[tuple[Role, str]] = []
     extras: list[dict] = []

@@ -22,7 +22,7 @@ import shutil
 import time
 from pathlib import Path
 
-from capture.chat import ChatEncoder, Tokenized, load_encoder, tokenizer_sha256
+from capture.chat import ChatEncoder, Tokenized, load_encoder, packaged_template, tokenizer_sha256
 from capture.config import RunConfig
 from capture.engines import EngineSpec, engine_spec, vllm_engine_args
 from capture.data import DatasetRef, ReadStats, iter_conversations, resolve_dataset
@@ -87,7 +87,8 @@ def prepare(cfg: RunConfig) -> Prepared:
     taps = make_taps(target, cfg.layers, cfg.final)
     dataset = resolve_dataset(cfg.dataset, cfg.split)
     mdir = model_dir(target, cfg.model_path)
-    encoder = load_encoder(str(mdir), chat_template_file=cfg.chat_template, system_prompt=cfg.system_prompt,
+    template_file = cfg.chat_template or packaged_template(target.chat_template)  # GLM presets: glm.jinja
+    encoder = load_encoder(str(mdir), chat_template_file=template_file, system_prompt=cfg.system_prompt,
                            special_text=cfg.special_text, template_kwargs=cfg.chat_template_kwargs)
     model_cfg = json.loads((mdir / "config.json").read_text())
     vllm_args = vllm_engine_args(cfg.tp, cfg.max_model_len, cfg.gpu_memory_utilization, cfg.vllm_args)

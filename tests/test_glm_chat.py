@@ -215,3 +215,29 @@ def test_structured_row_renders_and_masks(tmp_path, tok):
         f"{H}<|user|>Weather?<|assistant|>[<think>use tool</think><tool_call>w<arg_key>city</arg_key>"
         "<arg_value>Oslo</arg_value></tool_call><|observation|>]<tool_response>cold</tool_response>"
         "<|assistant|><think></think>[Cold.<|user|>]")
+
+
+def test_glm_preset_uses_the_packaged_template(tmp_path):
+    """``--target glm-5.3 --model-path DIR`` renders with capture/templates/glm.jinja even when the folder's
+    tokenizer carries another template (a config-only folder of the preset's shape: nothing is loaded but
+    the tokenizer); ``--chat-template`` still wins."""
+    from capture.config import RunConfig
+    from capture.driver import prepare
+
+    folder = tmp_path / "GLM-5.3"
+    tok = build_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m.content }}<|user|>{% endfor %}"
+    tok.save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": "glm_moe_dsa", "num_hidden_layers": 78,
+                                                    "hidden_size": 6144, "kv_lora_rank": 512}))
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) + "\n")
+    prep = prepare(RunConfig(out=str(tmp_path / "out"), target="glm-5.3", model_path=str(folder), dataset=str(data),
+                             engine="hf"))
+    assert prep.encoder.template == glm_template()
+    assert prep.encoder.boilerplate == tuple(tok.convert_tokens_to_ids(["<think>", "</think>"]))
+    other = tmp_path / "other.jinja"
+    other.write_text(tok.chat_template)
+    prep = prepare(RunConfig(out=str(tmp_path / "out"), target="glm-5.3", model_path=str(folder), dataset=str(data),
+                             engine="hf", chat_template=str(other)))
+    assert prep.encoder.template == tok.chat_template and prep.encoder.boilerplate == ()
