@@ -177,3 +177,27 @@ def test_run_header_records_glm_conventions(captured, fixture_dir):
         assert header["taps"]["residual_streams"] == 4
     # the GLM template and its masks made it into the shards: the tool turn's row has supervised reasoning
     assert all(r["loss_mask"].any() for r in rows)
+
+
+def test_regenerate_carries_reasoning_effort(fixture_dir, tmp_path):
+    """``--responses regenerate --chat-template-kwarg reasoning_effort=high`` on the tiny target: the
+    prompt carries the effort line and the earlier turn's reasoning, the generation prompt ends at
+    <|assistant|>, and the loss mask is exactly the generated tail."""
+    from shards.reader import iter_rows
+    from transformers import AutoTokenizer
+
+    data = tmp_path / "regen.jsonl"
+    data.write_text(json.dumps({"messages": [
+        {"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi.", "reasoning_content": "greet"},
+        {"role": "user", "content": "6 times 7?"}, {"role": "assistant", "content": "42"}]}) + "\n")
+    out = tmp_path / "run"
+    capture_cli("run", "--target", str(fixture_dir), "--dataset", str(data), "--layers", "0,4", "--responses",
+                "regenerate", "--max-new-tokens", "12", "--chat-template-kwarg", "reasoning_effort=high",
+                "--out", str(out), "--no-progress", check=True)
+    (row,) = list(iter_rows(out))
+    tok = AutoTokenizer.from_pretrained(fixture_dir)
+    ids, mask = row["input_ids"].tolist(), row["loss_mask"]
+    start = int(mask.argmax())
+    assert tok.decode(ids[:start]) == ("[gMASK]<sop><|system|>Reasoning Effort: High<|user|>Hello!<|assistant|>"
+                                       "<think>greet</think>Hi.<|user|>6 times 7?<|assistant|>")
+    assert mask[start:].all() and 1 <= len(ids) - start <= 12 and row["finish_reasons"][0] in ("stop", "length")
