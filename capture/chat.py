@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from typing import Literal, Sequence
 
 import numpy as np
@@ -192,8 +193,6 @@ class ChatEncoder:
     def _has_special_text(self, conv: Conversation, specials: tuple[str, ...]) -> bool:
         if self.special_text != "drop":
             return False
-        import json
-
         texts = [content for _, content in conv.messages]
         texts += [x.get("reasoning_content", "") + json.dumps(x.get("tool_calls", []), ensure_ascii=False)
                   for x in conv.extras]

@@ -13,7 +13,8 @@ Conventions and where they come from:
   use either key pair (``from``/``value`` or ``role``/``content``), since mixed files occur in the wild.
 * Role names: ``human``/``user`` → user; ``gpt``/``chatgpt``/``bing``/``bard`` (ShareGPT V3 names of the
   chat services the logs came from), ``assistant`` (OpenAI) and ``model`` (Gemini) → assistant;
-  ``system`` → system. Matched case-insensitively after stripping whitespace.
+  ``system`` → system; ``tool`` / ``observation`` → tool (a tool result; structured rows only, below).
+  Matched case-insensitively after stripping whitespace.
 * Turn order: the chat templates of current instruction models expect ``[system] user assistant
   (user assistant)*``; see :func:`iter_conversations` for how rows are brought into that shape.
 * Structured rows (OpenAI ``messages`` with ``reasoning_content`` on assistant turns, ``tool_calls``, or
