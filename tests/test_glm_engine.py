@@ -28,7 +28,7 @@ import torch
 from conftest import capture_cli
 from glm_fixtures import build_fixture
 
-LAYERS = (0, 2, 4)  # 5-layer fixtures: first, middle (the glm5_next MLA layer is 3), last
+LAYERS = (0, 1, 2, 3, 4)  # every layer of the 5-layer fixtures (glm5_next: KDA 0-2 and 4, MLA + indexer 3)
 ROWS = [
     {"messages": [{"role": "user", "content": "What is the weather in Paris today?"},
                   {"role": "assistant", "content": None, "reasoning_content": "Let me think about this step by step.",

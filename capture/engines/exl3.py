@@ -8,8 +8,9 @@ API used (exllamav3, the DFlash-era ``export_state_layers`` interface): ``Config
 ``Model.from_config(config)``, ``model.load()``, ``Tokenizer.from_config(config)`` (not needed for a
 prefill of ids), and ``model.forward(input_ids [1, T] int64 CPU, params)`` with
 ``params["export_state_layers"] = {block indices}``: every transformer block whose index is in that set
-appends its output (the residual after the block; for hyper-connection models, the mean over the
-residual streams, the same reduction as :func:`capture.targets.reduce_streams`) to
+appends its output (the residual after the block; for hyper-connection models the mean over the
+residual streams, the same reduction as :func:`capture.targets.reduce_streams`, in the exllamav3 source
+read for this work: bench/exl3_check.py confirms it on a GPU) to
 ``params["export_states"]`` as fp16 ``[1, T, H]``, in block order, **clamped to ±65504** by the library.
 ``params["export_state_norm_keys"] = {"model.norm"}`` appends the final norm's output (post-norm).
 
