@@ -4,6 +4,7 @@ the HF engine needs CUDA: bench/exl3_check.py.) Also the GLM presets' engine def
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -70,3 +71,105 @@ def test_fixture_folder_reads_as_target(tiny):
 
     t = resolve_target(str(tiny))
     assert (t.architecture, t.num_layers, t.hidden_size, t.mtp_layers, t.residual_streams) == ("glm_moe_dsa", 3, 64, 1, 1)
+
+
+class _FakeExl3:
+    """Stands in for the ``exllamav3`` module, emulating the interface capture uses on top of a tiny HF
+    model (float16, CPU): ``Model.forward(ids, params)`` appends, for each block in
+    ``params["export_state_layers"]`` (ascending), its output (streams averaged) as fp16 ``[1, T, H]``
+    clamped to ±65504 to ``params["export_states"]``, then the final norm's output when
+    ``params["export_state_norm_keys"]`` holds ``"model.norm"``; it returns float32 logits."""
+
+    def __init__(self, model_dir):
+        from capture.engines.hf import load_causal_lm
+
+        outer = self
+
+        class Config:
+            @staticmethod
+            def from_directory(path):
+                assert str(path) == str(model_dir)
+                return path
+
+        class Model:
+            loaded = False
+
+            @staticmethod
+            def from_config(config):
+                return Model()
+
+            def load(self):
+                self.hf = load_causal_lm(str(config_dir), torch.float32)
+                self.loaded = True
+
+            def forward(self, input_ids, params):
+                assert self.loaded and input_ids.dtype == torch.int64 and input_ids.shape[0] == 1
+                states, seen = params.setdefault("export_states", []), {}
+                hooks = [layer.register_forward_hook(lambda _m, _i, out, k=k: seen.__setitem__(k, out[0]))
+                         for k, layer in enumerate(self.hf.get_decoder().layers)]
+                try:
+                    out = self.hf(input_ids=input_ids, output_hidden_states=True)
+                finally:
+                    for h in hooks:
+                        h.remove()
+                for k in sorted(params.get("export_state_layers", ())):
+                    x = seen[k].mean(dim=2) if seen[k].dim() == 4 else seen[k]
+                    states.append(x.half().clamp_(-65504.0, 65504.0))
+                if "model.norm" in params.get("export_state_norm_keys", ()):
+                    states.append(out.hidden_states[-1].half())
+                outer.calls += 1
+                return out.logits.float()
+
+        config_dir = model_dir
+        self.calls = 0
+        self.Config, self.Model = Config, Model
+
+
+@pytest.mark.parametrize("final", ["post-norm", "pre-norm"])
+def test_exl3_engine_plumbing_with_a_stand_in_library(tmp_path, monkeypatch, final):
+    """EXL3Engine's own code (block mapping, export order, fp16 storage, final state, argmax) against the
+    HF engine on the tiny glm5_next fixture, with exllamav3 replaced by :class:`_FakeExl3` (the real
+    library needs CUDA: bench/exl3_check.py)."""
+    import types
+
+    import numpy as np
+
+    from capture.engines.exl3 import EXL3Engine
+    from capture.engines.hf import HFEngine
+    from capture.targets import make_taps, resolve_target
+
+    model_dir = build_fixture("glm5_next", tmp_path / "m")
+    fake = _FakeExl3(model_dir)
+    monkeypatch.setitem(sys.modules, "exllamav3", types.SimpleNamespace(Config=fake.Config, Model=fake.Model))
+    monkeypatch.setattr("capture.engines.exl3.check_exl3", lambda: None)
+    taps = make_taps(resolve_target(str(model_dir)), (1, 3), final)
+    ids = [np.arange(5, 45, dtype=np.int32), np.arange(100, 130, dtype=np.int32)]
+    got = EXL3Engine(str(model_dir), taps, argmax=True, num_layers=5).forward(ids)
+    ref = HFEngine(str(model_dir), taps, argmax=True, dtype="float32").forward(ids)
+    assert fake.calls == 2  # one record per forward
+    for g, r in zip(got, ref):
+        assert list(g.states) == list(taps.columns)
+        for col in taps.columns:
+            assert g.states[col].dtype == torch.float16
+            torch.testing.assert_close(g.states[col].float(), r.states[col], rtol=2e-3, atol=2e-3)
+        assert (g.argmax == r.argmax).mean() > 0.95
+
+
+def test_exl3_run_header_stores_fp16(tmp_path, monkeypatch):
+    """``--engine exl3`` runs store float16 fields and record the clamp (run header, built before any
+    engine starts); regenerate mode is refused."""
+    from capture.config import RunConfig
+    from capture.driver import prepare
+    from capture.errors import CaptureError
+
+    model_dir = build_fixture("glm_moe_dsa", tmp_path / "m", layers=3)
+    monkeypatch.setattr("capture.engines.exl3.check_exl3", lambda: None)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n')
+    cfg = RunConfig(out=str(tmp_path / "out"), target=str(model_dir), dataset=str(data), engine="exl3",
+                    chat_template=str(REPO / "capture" / "templates" / "glm.jinja"))
+    prep = prepare(cfg)
+    assert prep.header["dtype"] == "float16"
+    assert prep.header["engine"] == {"name": "exl3", "fp16_clamp": 65504.0}
+    with pytest.raises(CaptureError, match="--engine exl3 captures prefills only"):
+        prepare(dataclasses.replace(cfg, responses="regenerate"))

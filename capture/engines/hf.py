@@ -10,9 +10,10 @@ final norm (``post-norm``) or of layer L-1 (``pre-norm``); see :mod:`capture.tar
 
 Batches are right-padded: with causal attention a real token never attends to a later pad, so padding
 does not change a real token's states beyond bf16 kernel differences between batch shapes (the tests
-measure them against an unpadded reference). Exception: transformers' ``glm_moe_dsa`` (GLM-5.x; its DSA
-sparse indexer) gives a right-padded record other states than the same record alone, even in float32
-(measured on the tiny fixture: tap 0 off by 1.2e-2 from token 12 on, the final state by 1.19; asserted in
+measure them against an unpadded reference). Exception: transformers' GLM-5.x models (``glm_moe_dsa``,
+``glm5_next``; their DSA sparse indexers) give a right-padded record other states than the same record
+alone, even in float32 (measured on the tiny fixtures: ``glm_moe_dsa`` tap 0 off by 1.2e-2 from token 12
+on; ``glm5_next`` from its indexer layer on, for some lengths, e.g. 29-31 tokens padded to 40; asserted in
 tests/test_glm_engine.py), so targets listed in :data:`UNPADDED_ARCHITECTURES` are prefilled one record per
 forward. When neither ``argmax`` nor the post-norm final state is
 needed, the forward stops right after the last tapped layer.
@@ -41,7 +42,7 @@ __all__ = ["Captured", "Generated", "HFEngine", "Sampling"]
 
 
 # model types whose padded batches change real tokens' states (see the module docstring)
-UNPADDED_ARCHITECTURES = frozenset({"glm_moe_dsa"})
+UNPADDED_ARCHITECTURES = frozenset({"glm_moe_dsa", "glm5_next"})
 
 
 class _StopForward(Exception):
