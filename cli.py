@@ -80,7 +80,8 @@ def targets(as_json: bool) -> None:
     _emit(rows, as_json, lambda rs: _table([
         {"name": r["name"], "arch": r["architecture"], "layers": r["num_layers"], "hidden": r["hidden_size"],
          "taps": ",".join(map(str, r["default_taps"])), "final": r["default_final"], "chat": r["chat_template"],
-         "weights": r["quantization"], "engine": r["engine"], "source": r["source"]} for r in rs]))
+         "weights": r["quantization"], "engine": r["engine"] + (f" tp{r['tp']}" if r["tp"] > 1 else ""),
+         "source": r["source"]} for r in rs]))
 
 
 @main.command()
@@ -130,8 +131,9 @@ def targets(as_json: bool) -> None:
               "and is replaced (default: no limit).")
 @click.option("--max-unit-attempts", type=int, help="Failures of a work unit before it is split; a single record "
               "that fails this often is quarantined (default 3).")
-@click.option("--engine", type=click.Choice(["hf", "vllm", "auto"]),
-              help="hf (transformers), vllm, or auto (default: vllm when installed and a GPU is visible, else hf).")
+@click.option("--engine", type=click.Choice(["hf", "vllm", "exl3", "auto"]),
+              help="hf (transformers), vllm, exl3 (exllamav3, CUDA only, prefill only), or auto (default: vllm "
+                   "when installed and a GPU is visible, else hf).")
 @click.option("--vllm-path", type=click.Choice(["auto", "extract", "hooks"]),
               help="vLLM capture path: extract_hidden_states + KV connector, or worker-extension hooks "
                    "(auto: hooks for MLA targets).")

@@ -10,6 +10,13 @@ between the two boundaries, up to and including the last end-of-turn token (toke
 model never produces). A template that breaks either property, or renders an assistant turn without an
 end-of-turn token, raises :class:`CaptureError` naming the row: nothing is silently mis-masked.
 
+Template boilerplate (``ChatEncoder.boilerplate``): token ids a template inserts at the start of an
+assistant turn that the model never generates there, left out of the mask. The one known case is GLM's
+empty ``<think></think>`` in a turn without reasoning (GLM-5.x always thinks, so it never writes an empty
+block); :func:`load_encoder` sets it when the template text contains ``<think></think>``. Tool results
+(``tool`` turns, GLM's ``<|observation|>``) are never supervised; an assistant turn's reasoning, answer,
+tool calls and closing token are (see README "GLM chat format and loss mask policy").
+
 Self-distillation (``--responses regenerate``, :mod:`capture.regenerate`): :meth:`ChatEncoder.encode_prompt`
 gives the token-id :class:`Prompt` segments of a conversation that do not depend on its answers (the
 prompt up to the first regenerated turn's generation prompt, then the template's text between turns),
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from typing import Literal, Sequence
 
 import numpy as np
@@ -101,7 +109,9 @@ class ChatEncoder:
     ``eos_token_id`` list). ``special_text``: what to do with a row whose content contains the text of a
     special token (e.g. ``<|im_end|>``), which the tokenizer would turn into a real control token:
     ``drop`` (default, counted as ``special_token_text``) or ``keep`` (tokenized as is).
-    ``template_kwargs``: extra template variables passed to every rendering (e.g. ``enable_thinking``).
+    ``template_kwargs``: extra template variables passed to every rendering (e.g. ``enable_thinking``,
+    ``reasoning_effort``). ``boilerplate``: token ids that, opening an assistant turn, are template text
+    the model never generates (GLM: ``<think></think>``); unsupervised.
     """
 
     tokenizer: object
@@ -110,6 +120,7 @@ class ChatEncoder:
     system_prompt: str | None = None
     special_text: SpecialTextPolicy = "drop"
     template_kwargs: tuple[tuple[str, object], ...] = ()
+    boilerplate: tuple[int, ...] = ()
 
     @property
     def template_sha256(self) -> str:
@@ -127,7 +138,8 @@ class ChatEncoder:
         )
 
     def _messages(self, conv: Conversation) -> list[dict]:
-        messages = [{"role": r, "content": c} for r, c in conv.messages]
+        extras = conv.extras or ({},) * len(conv.messages)
+        messages = [{"role": r, "content": c, **x} for (r, c), x in zip(conv.messages, extras)]
         if self.system_prompt is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return messages
@@ -155,6 +167,7 @@ class ChatEncoder:
                     f"{conv.sample_id}: the chat template renders assistant turn {i} with no end-of-turn token "
                     f"(ids {sorted(self.end_ids)}); give a template that closes assistant turns"
                 )
+            start += self._boilerplate_at(ids, start)
             mask[start : ends[-1] + 1] = True
         return Tokenized(conv.sample_id, conv.row_index, conv.source, np.asarray(ids, dtype=np.int32), mask)
 
@@ -172,8 +185,18 @@ class ChatEncoder:
             out.append((m["role"], next((j for j, s in enumerate(starts) if s >= end), len(starts))))
         return out
 
+    def _boilerplate_at(self, ids: Sequence[int], start: int) -> int:
+        """``len(self.boilerplate)`` when the assistant turn starting at token ``start`` opens with it, else 0."""
+        n = len(self.boilerplate)
+        return n if n and tuple(ids[start : start + n]) == self.boilerplate else 0
+
     def _has_special_text(self, conv: Conversation, specials: tuple[str, ...]) -> bool:
-        return self.special_text == "drop" and any(s in content for _, content in conv.messages for s in specials)
+        if self.special_text != "drop":
+            return False
+        texts = [content for _, content in conv.messages]
+        texts += [x.get("reasoning_content", "") + json.dumps(x.get("tool_calls", []), ensure_ascii=False)
+                  for x in conv.extras]
+        return any(s in t for t in texts for s in specials)
 
     def _tokenize(self, text: str) -> tuple[list[int], list[int], dict[int, int]]:
         """Token ids of ``text``, each token's first character, and the token index that starts at each
@@ -218,7 +241,7 @@ class ChatEncoder:
                   placeholder: str) -> tuple[tuple[np.ndarray, ...], tuple[int, ...]]:
         """Segments and turn-end tokens of ``messages`` with the ``turns`` answered by placeholders."""
         texts = {t: placeholder.format(k=k) for k, t in enumerate(turns)}
-        shown = [dict(m, content=texts[i]) if i in texts else m for i, m in enumerate(messages)]
+        shown = [{"role": "assistant", "content": texts[i]} if i in texts else m for i, m in enumerate(messages)]
         text = self._render(shown, generation_prompt=False)
         ids, starts, boundary = self._tokenize(text)
         begins = [self._boundary(text, boundary, self._render(shown[:t], generation_prompt=True), conv, t)
@@ -229,7 +252,8 @@ class ChatEncoder:
             if k == len(turns) - 1:
                 break
             close = next((j for j in range(begin, begins[k + 1]) if ids[j] in self.end_ids), None)
-            if close is None or text[starts[begin]:starts[close]] != texts[t]:
+            body = begin + self._boilerplate_at(ids, begin)
+            if close is None or text[starts[body]:starts[close]] != texts[t]:
                 raise CaptureError(
                     f"{conv.sample_id}: the chat template does not render assistant turn {t} as its content followed "
                     f"by an end-of-turn token (ids {sorted(self.end_ids)}), so a generated answer cannot be spliced in"
@@ -288,7 +312,27 @@ def load_encoder(
         pass
     if not end_ids:
         raise CaptureError(f"{model_dir}: no EOS token id in the tokenizer or generation config")
-    return ChatEncoder(tok, template, frozenset(end_ids), system_prompt, special_text, tuple(template_kwargs))
+    return ChatEncoder(tok, template, frozenset(end_ids), system_prompt, special_text, tuple(template_kwargs),
+                       template_boilerplate(tok, template))
+
+
+def packaged_template(name: str) -> str | None:
+    """Path of the chat template this package ships for chat format ``name`` (``capture/templates/
+    <name>.jinja``: ``glm``), or None. Presets with such a format use it unless ``--chat-template`` is
+    given: the model's own serving template leaves the last assistant turn open (GLM ends a turn at the
+    next role token), which the loss mask cannot close."""
+    from importlib.resources import files
+
+    path = files("capture").joinpath(f"templates/{name}.jinja")
+    return str(path) if name and path.is_file() else None
+
+
+def template_boilerplate(tokenizer, template: str) -> tuple[int, ...]:
+    """Token ids of GLM's empty ``<think></think>`` when ``template`` inserts one (its text contains it),
+    else ``()``. See the module docstring."""
+    if "<think></think>" not in template:
+        return ()
+    return tuple(tokenizer("<think></think>", add_special_tokens=False)["input_ids"])
 
 
 def tokenizer_sha256(tokenizer) -> str:

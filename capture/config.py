@@ -71,7 +71,7 @@ class RunConfig:
     ray_address: str | None = None  # None: start a local Ray instance
     unit_timeout: float | None = None  # seconds a work unit may run before its replica counts as hung
     max_unit_attempts: int = 3  # failures of a unit before it is split (one record: quarantined)
-    engine: str = "auto"  # hf | vllm | auto (vllm when installed and a GPU is visible, else hf)
+    engine: str = "auto"  # hf | vllm | exl3 | auto (vllm when installed and a GPU is visible, else hf)
     vllm_path: str = "auto"  # extract | hooks | auto (hooks for MLA targets); see capture.engines.vllm
     tp: int = 1  # vLLM tensor-parallel size (GPUs per replica)
     max_model_len: int | None = None  # vLLM context length (None: the model's)
@@ -92,7 +92,7 @@ _CHOICES = {
     "responses": ("dataset", "regenerate"),
     "regenerate_policy": ("last", "every"),
     "codec": ("bf16", "bf16-split", "fp8-e4m3"),
-    "engine": ("auto", "hf", "vllm"),
+    "engine": ("auto", "hf", "vllm", "exl3"),
     "vllm_path": ("auto", "extract", "hooks"),
 }
 _INTS = {  # field: smallest allowed value (None allowed where the default is None)

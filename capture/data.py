@@ -13,9 +13,14 @@ Conventions and where they come from:
   use either key pair (``from``/``value`` or ``role``/``content``), since mixed files occur in the wild.
 * Role names: ``human``/``user`` → user; ``gpt``/``chatgpt``/``bing``/``bard`` (ShareGPT V3 names of the
   chat services the logs came from), ``assistant`` (OpenAI) and ``model`` (Gemini) → assistant;
-  ``system`` → system. Matched case-insensitively after stripping whitespace.
+  ``system`` → system; ``tool`` / ``observation`` → tool (a tool result; structured rows only, below).
+  Matched case-insensitively after stripping whitespace.
 * Turn order: the chat templates of current instruction models expect ``[system] user assistant
   (user assistant)*``; see :func:`iter_conversations` for how rows are brought into that shape.
+* Structured rows (OpenAI ``messages`` with ``reasoning_content`` on assistant turns, ``tool_calls``, or
+  ``role: tool`` results; any row with one of these) keep them in :attr:`Conversation.extras` and are
+  checked, never repaired: see :func:`_normalize_structured`. Every other row takes the plain path below,
+  so ShareGPT / Open-PerfectBlend reading is unchanged.
 * Content is never altered: whitespace inside and around a turn is real data and kept byte-exact.
   The one exception is merging two consecutive turns of one role, joined with ``"\\n\\n"`` (the
   paragraph break that the merged text would have carried had it been written as one turn).
@@ -40,7 +45,7 @@ from capture.hashing import sha256_file
 
 log = logging.getLogger(__name__)
 
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "tool"]
 Alternation = Literal["normalize", "skip"]
 
 SHAREGPT_ALIAS = "sharegpt"
@@ -60,6 +65,8 @@ _ROLES: dict[str, Role] = {
     "assistant": "assistant",
     "model": "assistant",
     "system": "system",
+    "tool": "tool",  # OpenAI tool results; GLM renders them in an <|observation|> turn
+    "observation": "tool",
 }
 # `owner/name`, optionally `@revision` (Hugging Face Hub repo id rules: letters, digits, `-`, `_`, `.`)
 _HUB_ID = re.compile(r"^(?P<id>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[\w./-]+))?$")
@@ -73,6 +80,9 @@ class Conversation:
     row_index: int  # 0-based index of the row in the raw dataset (before any filter)
     source: str  # the row's `source` column if a non-empty string, else the dataset name
     messages: tuple[tuple[Role, str], ...]
+    # per message, aligned with `messages`: {"reasoning_content": str, "tool_calls": [{"name", "arguments": dict}]}
+    # (only the keys a turn has); empty for plain rows (ShareGPT, Open-PerfectBlend). See `_normalize_structured`.
+    extras: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -208,7 +218,11 @@ def iter_conversations(
                 stats.yielded += 1
                 stats.normalized.update(outcome)
                 per_source[src] += 1
-                yield Conversation(sample_id=sample_id, row_index=row_index, source=src, messages=messages)
+                extras: tuple[dict, ...] = ()
+                if isinstance(messages, _Structured):
+                    messages, extras = messages.messages, messages.extras
+                yield Conversation(sample_id=sample_id, row_index=row_index, source=src, messages=messages,
+                                   extras=extras)
                 continue
             reason = outcome[0]
         stats.skipped[reason] += 1
@@ -327,11 +341,32 @@ def _iter_json_array(ref: DatasetRef, stats: ReadStats) -> Iterator[Any]:
 # --- normalization ---------------------------------------------------------------------------------
 
 
-def _normalize(row: Any, alternation: Alternation) -> tuple[tuple[tuple[Role, str], ...] | None, list[str]]:
+@dataclass(frozen=True)
+class _Structured:
+    messages: tuple[tuple[Role, str], ...]
+    extras: tuple[dict, ...]
+
+
+def _is_structured(turns: list) -> bool:
+    """A row with reasoning, tool calls or tool results (OpenAI style) anywhere."""
+    for t in turns:
+        if not isinstance(t, dict):
+            continue
+        role = _first_present(t, "from", "role")
+        if isinstance(role, str) and _ROLES.get(role.strip().lower()) == "tool":
+            return True
+        if t.get("tool_calls") or (isinstance(t.get("reasoning_content"), str) and t["reasoning_content"].strip()):
+            return True
+    return False
+
+
+def _normalize(row: Any, alternation: Alternation) -> tuple[Any, list[str]]:
     """``(messages, fixes applied)`` for a usable row, ``(None, [skip reason])`` otherwise."""
     turns = _column(row)
     if isinstance(turns, str):  # a skip reason
         return None, [turns]
+    if _is_structured(turns):
+        return _normalize_structured(turns, alternation)
     parsed: list[tuple[Role, str]] = []
     for turn in turns:
         if not isinstance(turn, dict):
@@ -386,6 +421,89 @@ def _normalize(row: Any, alternation: Alternation) -> tuple[tuple[tuple[Role, st
     if not merged:  # only assistant turns, none answering a user turn
         return None, ["no_assistant_turn"]
     return tuple(head + merged), fixes
+
+
+def _tool_calls(value: Any) -> list[dict] | None:
+    """OpenAI ``tool_calls`` (``[{"function": {"name", "arguments"}}]``, arguments a JSON object or its
+    JSON text) or bare ``[{"name", "arguments"}]`` → ``[{"name": str, "arguments": dict}]``; None if malformed."""
+    if not isinstance(value, list):
+        return None
+    out = []
+    for call in value:
+        f = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            return None
+        args = f.get("arguments") or {}
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return None
+        if not isinstance(args, dict):
+            return None
+        out.append({"name": f["name"], "arguments": args})
+    return out
+
+
+def _normalize_structured(turns: list, alternation: Alternation) -> tuple[_Structured | None, list[str]]:
+    """Rows with reasoning / tool calls / tool results. Checked, not repaired (merging or dropping turns
+    would break the call → result pairing); the one fix is ``trailing_user_removed`` (unanswered user or
+    tool turns at the end). Skip reasons besides the plain path's: ``malformed_tool_call`` (a call without
+    a string name, or arguments that are not a JSON object) and ``turn_order``: the body must be
+    ``user (assistant | tool | user)*`` where a tool turn follows an assistant turn with tool calls or
+    another tool turn, an assistant turn follows a user or tool turn, and a user turn opens the body or
+    follows an assistant turn without calls or a tool turn (so a call is always answered by its results
+    before anything else, and two user turns never meet: they are not merged here).
+    An assistant turn's content may be null or empty when it has tool calls or reasoning."""
+    messages: list[tuple[Role, str]] = []
+    extras: list[dict] = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            return None, ["malformed_turn"]
+        role_name = _first_present(turn, "from", "role")
+        role = _ROLES.get(role_name.strip().lower()) if isinstance(role_name, str) else None
+        if role is None:
+            return None, ["unknown_role"]
+        content = _first_present(turn, "value", "content")
+        extra: dict = {}
+        if role == "assistant":
+            if isinstance(turn.get("reasoning_content"), str) and turn["reasoning_content"].strip():
+                extra["reasoning_content"] = turn["reasoning_content"]
+            if turn.get("tool_calls"):
+                calls = _tool_calls(turn["tool_calls"])
+                if calls is None:
+                    return None, ["malformed_tool_call"]
+                extra["tool_calls"] = calls
+            if content is None and extra:
+                content = ""
+        if not isinstance(content, str):
+            return None, ["non_string_content"]
+        texts = [content, extra.get("reasoning_content", ""), json.dumps(extra.get("tool_calls", []))]
+        if not all(_is_utf8(t) for t in texts):
+            return None, ["invalid_text"]
+        messages.append((role, content))
+        extras.append(extra)
+    if any(role == "system" for role, _ in messages[1:]):
+        return None, ["system_not_first"]
+    start = 1 if messages and messages[0][0] == "system" else 0
+    fixes: list[str] = []
+    end = len(messages)
+    while end > start and messages[end - 1][0] in ("user", "tool"):
+        end -= 1
+    if end < len(messages):
+        if alternation == "skip":
+            return None, ["trailing_user_removed"]
+        fixes.append("trailing_user_removed")
+    if not any(role == "assistant" for role, _ in messages[start:end]):
+        return None, ["no_assistant_turn"]
+    prev = None  # role of the previous body turn, "assistant+calls" for an assistant turn with tool calls
+    for (role, _), extra in zip(messages[start:end], extras[start:end]):
+        ok = {"user": prev in (None, "assistant", "tool"), "assistant": prev in ("user", "tool"),
+              "tool": prev in ("assistant+calls", "tool")}[role]
+        if not ok:
+            return None, ["turn_order"]
+        prev = "assistant+calls" if role == "assistant" and extra.get("tool_calls") else role
+    return _Structured(tuple(messages[:end]), tuple(extras[:end])), fixes
 
 
 def _column(row: Any) -> list | str:

@@ -27,7 +27,7 @@ import shutil
 import time
 from pathlib import Path
 
-from capture.chat import ChatEncoder, Tokenized, load_encoder, tokenizer_sha256
+from capture.chat import ChatEncoder, Tokenized, load_encoder, packaged_template, tokenizer_sha256
 from capture.config import RunConfig
 from capture.engines import EngineSpec, engine_spec, vllm_engine_args
 from capture.data import DatasetRef, ReadStats, iter_conversations, resolve_dataset
@@ -96,7 +96,8 @@ def prepare(cfg: RunConfig) -> Prepared:
     taps = make_taps(target, cfg.layers, cfg.final)
     dataset = resolve_dataset(cfg.dataset, cfg.split)
     mdir = model_dir(target, cfg.model_path)
-    encoder = load_encoder(str(mdir), chat_template_file=cfg.chat_template, system_prompt=cfg.system_prompt,
+    template_file = cfg.chat_template or packaged_template(target.chat_template)  # GLM presets: glm.jinja
+    encoder = load_encoder(str(mdir), chat_template_file=template_file, system_prompt=cfg.system_prompt,
                            special_text=cfg.special_text, template_kwargs=cfg.chat_template_kwargs)
     model_cfg = json.loads((mdir / "config.json").read_text())
     vllm_args = vllm_engine_args(cfg.tp, cfg.max_model_len, cfg.gpu_memory_utilization, cfg.vllm_args)
@@ -109,13 +110,15 @@ def prepare(cfg: RunConfig) -> Prepared:
         if vllm_only:
             why = " (--engine auto picks vllm only when vLLM is installed and a GPU is visible)" if cfg.engine == "auto" else ""
             raise CaptureError(f"{vllm_only[0]} applies only to the vllm engine; this run uses {engine.name}{why}")
+    if engine.name == "exl3" and cfg.responses == "regenerate":
+        raise CaptureError("--engine exl3 captures prefills only; --responses regenerate needs the hf or vllm engine")
     header = shard_format.header(
         target={"name": target.name, "source": target.source, "revision": target.revision,
                 "architecture": target.architecture, "num_layers": target.num_layers},
         taps=taps.describe(),
         columns=list(taps.columns),
         hidden_size=target.hidden_size,
-        dtype=target.dtype,
+        dtype="float16" if engine.name == "exl3" else target.dtype,  # exllamav3 exports fp16 states
         codec=cfg.codec,
         argmax=cfg.argmax,
         chat_template=encoder.template,

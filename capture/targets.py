@@ -9,6 +9,12 @@ Layer convention (the one every engine in this project maps to):
     ``hidden_states[L]`` is taken *after* the final norm, so tap L-1 comes from a forward hook on
     decoder layer L-1 (that is how the HF engine takes every tap).
     vLLM ``eagle_aux_hidden_state_layer_ids``: id k+1 (see FIELD-NOTES "Layer numbering").
+Residual streams (``glm5_next``, GLM-5.3-Flash: ``hc_mult`` = 4 hyper-connection streams): a decoder
+layer's output is ``[T, N, H]``; "the output of layer k" is its mean over the N streams, the reduction the
+model itself applies before its final norm (transformers ``Glm5NextTextHyperHead``:
+``hidden_streams.mean(dim=2)``, then ``norm``), so tap L-1 reduced and normed is exactly the LM head's
+input. Every engine applies :func:`reduce_streams` the same way; the shard header says so
+(``taps.stream_reduction``). Single-stream targets are unaffected.
 The final state, when asked for, is stored in its own column with its convention:
     ``post-norm`` = the final norm applied to the output of layer L-1 (what the LM head sees; HF's
     ``hidden_states[L]``), ``pre-norm`` = the raw output of layer L-1 (vLLM's id L). ``pre-norm`` together
@@ -29,6 +35,8 @@ from capture.hashing import sha256_file_once
 
 Final = Literal["none", "post-norm", "pre-norm"]
 TAP_CONVENTION = "tap k = output of decoder layer k (0-based), before the final norm; HF hidden_states[k+1]; vLLM aux id k+1"
+STREAM_CONVENTION = ("layer output [T, N, H] over N residual streams reduced to [T, H] by the mean over streams "
+                     "(the model's own reduction before its final norm: transformers Glm5NextTextHyperHead)")
 FINAL_CONVENTIONS = {
     "post-norm": "final norm applied to the output of decoder layer L-1 (HF hidden_states[L]; the LM head input)",
     "pre-norm": "raw output of decoder layer L-1 (vLLM aux id L)",
@@ -53,6 +61,9 @@ class Target:
     engine: str  # recommended engine
     revision: str = "main"
     note: str = ""
+    residual_streams: int = 1  # hyper-connection streams per layer output (glm5_next: 4); see reduce_streams
+    tp: int = 1  # recommended tensor-parallel size for the recommended engine (shown by `capture targets`)
+    mtp_layers: int = 0  # multi-token-prediction layers after the decoder layers: never tappable
 
 
 PRESETS: dict[str, Target] = {
@@ -86,6 +97,8 @@ PRESETS: dict[str, Target] = {
             quantization="fp8",
             engine="vllm",
             note="78 decoder layers + 1 MTP layer (not tappable); MLA + sparse indexer; TP8",
+            tp=8,
+            mtp_layers=1,
         ),
         Target(
             name="glm-5.3-flash",
@@ -99,7 +112,8 @@ PRESETS: dict[str, Target] = {
             dtype="bfloat16",
             quantization="exl3 4 bpw",
             engine="exl3",
-            note="linear + sparse attention, 4 residual streams",
+            note="34 linear-attention + 11 sparse-attention layers, 4 residual streams (taps = mean over streams)",
+            residual_streams=4,
         ),
     )
 }
@@ -111,6 +125,7 @@ class Taps:
 
     layers: tuple[int, ...]
     final: Final
+    residual_streams: int = 1
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -123,7 +138,8 @@ class Taps:
             "final": self.final,
             "tap_convention": TAP_CONVENTION,
             "final_convention": FINAL_CONVENTIONS.get(self.final, "none"),
-        }
+        } | ({"residual_streams": self.residual_streams, "stream_reduction": STREAM_CONVENTION}
+             if self.residual_streams > 1 else {})
 
 
 def parse_layers(text: str | None) -> tuple[int, ...] | None:
@@ -155,6 +171,7 @@ def make_taps(target: Target, layers: tuple[int, ...] | None, final: Final | Non
     if bad:
         raise CaptureError(
             f"tap(s) {bad} out of range for {target.name}: it has {n} decoder layers, taps are 0..{n - 1}"
+            + (f" (its {target.mtp_layers} MTP layer(s) after them are not taps)" if target.mtp_layers else "")
         )
     dups = sorted({k for k in layers if layers.count(k) > 1})
     if dups:
@@ -165,7 +182,18 @@ def make_taps(target: Target, layers: tuple[int, ...] | None, final: Final | Non
         )
     if not layers and final == "none":
         raise CaptureError("nothing to capture: give --layers or --final")
-    return Taps(tuple(sorted(layers)), final)
+    return Taps(tuple(sorted(layers)), final, target.residual_streams)
+
+
+def reduce_streams(x, streams: int):
+    """A layer output as stored: ``[..., N, H]`` → ``[..., H]`` by the mean over the N = ``streams``
+    residual streams (in the input's dtype, as the model's own ``hc_head`` does); ``x`` unchanged when
+    ``streams == 1``. Raises ValueError when the stream axis does not have ``streams`` entries."""
+    if streams == 1:
+        return x
+    if x.shape[-2] != streams:
+        raise ValueError(f"expected {streams} residual streams on axis -2, got shape {tuple(x.shape)}")
+    return x.mean(dim=-2)
 
 
 def resolve_target(spec: str) -> Target:
@@ -186,6 +214,8 @@ def resolve_target(spec: str) -> Target:
     text_cfg = cfg.get("text_config", cfg)
     try:
         n, h = int(text_cfg["num_hidden_layers"]), int(text_cfg["hidden_size"])
+        streams = int(text_cfg.get("hc_mult") or 1)
+        mtp = int(text_cfg.get("num_nextn_predict_layers") or 0)  # GLM / DeepSeek MTP: not in num_hidden_layers
     except KeyError as e:
         raise CaptureError(f"{config}: no {e.args[0]} in the model config") from None
     spread = tuple(sorted({round(i * (n - 1) / 4) for i in (0.4, 2, 3.6)}))  # low / mid / high, EAGLE-3 style
@@ -201,6 +231,8 @@ def resolve_target(spec: str) -> Target:
         dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
         quantization=str((cfg.get("quantization_config") or {}).get("quant_method", "none")),
         engine="hf",
+        residual_streams=streams,
+        mtp_layers=mtp,
     )
 
 

