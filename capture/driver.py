@@ -165,6 +165,7 @@ def _records(cfg: RunConfig, prep: Prepared, summary: Summary, done: set[str], s
                 log.debug("%s dropped: %s", conv.sample_id, reason)
                 continue
             summary.kept += 1
+            summary.rows_read = stats.rows_read  # live, for the progress bar's ETA
             yield rec
     finally:
         summary.rows_read = stats.rows_read
@@ -339,8 +340,9 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float, loc: Location) -
         rejected.update(result.rejected.values())
         prefilled[0] += result.rows
         bar.update(result.tokens)
+        eta = _eta(time.time() - started, summary.rows_read, cfg.limit)
         bar.set_postfix(rows=prefilled[0], committed=summary.committed_rows,
-                        MiB=round(summary.committed_bytes / 2**20), refresh=False)
+                        MiB=round(summary.committed_bytes / 2**20), **({"eta": eta} if eta else {}), refresh=False)
 
     stop: str | None = None
     pool = None
@@ -400,6 +402,15 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float, loc: Location) -
         detail = ", ".join(f"{k}={v}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])) or "no rows read"
         raise CaptureError(f"no records written: all {summary.rows_read} rows read were dropped ({detail})")
     return summary
+
+
+def _eta(elapsed: float, rows_read: int, limit: int | None) -> str | None:
+    """Time left as H:MM:SS when the rows to read are known (``--limit``), from the rows read so far
+    (they run at most two units per replica ahead of the engine); None otherwise."""
+    if not limit or not rows_read:
+        return None
+    left = max(0.0, elapsed * (limit - rows_read) / rows_read)
+    return time.strftime("%H:%M:%S", time.gmtime(left))
 
 
 def _remove_garbage(loc: Location) -> None:
