@@ -280,8 +280,11 @@ def shards_gc(run_dir, dry_run) -> None:
     writes to RUN_DIR, and in a folder that holds no run."""
     from shards.manifest import gc
 
-    for path in gc(run_dir, dry_run):
+    removed = gc(run_dir, dry_run)
+    for path in removed:
         click.echo(f"{'would remove' if dry_run else 'removed'} {path.name}")
+    if not removed:
+        click.echo("nothing to remove")
 
 
 @main.command("export")

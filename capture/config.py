@@ -123,7 +123,7 @@ def _validate(cfg: "RunConfig") -> None:
         if not isinstance(getattr(cfg, name), bool):
             bad(name, getattr(cfg, name), "true or false")
     ut = cfg.unit_timeout
-    if ut is not None and not (isinstance(ut, (int, float)) and not isinstance(ut, bool) and ut > 0):
+    if ut is not None and not (isinstance(ut, (int, float)) and not isinstance(ut, bool) and 0 < ut < float("inf")):
         bad("unit_timeout", ut, "a number of seconds > 0")
     gmu = cfg.gpu_memory_utilization
     if gmu is not None and not (isinstance(gmu, (int, float)) and not isinstance(gmu, bool) and 0 < gmu <= 1):
@@ -249,7 +249,7 @@ def load_yaml(path: str) -> dict[str, Any]:
     except OSError as e:
         raise CaptureError(f"cannot read config {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
-        raise CaptureError(f"{path} is not valid YAML: {e}") from None
+        raise CaptureError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(data, dict):
         raise CaptureError(f"{path}: expected a mapping of run settings")
     return data

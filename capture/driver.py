@@ -279,6 +279,26 @@ def _run_object_store(cfg: RunConfig, prep: Prepared, started: float, loc: Locat
 def _run_locked(cfg: RunConfig, prep: Prepared, started: float, loc: Location) -> Summary:
     import ray
 
+    we_started_ray = not ray.is_initialized()
+    if we_started_ray:
+        # "local": a new instance even where `ray start` left a (maybe stale) /tmp/ray/ray_current_cluster
+        ray.init(address=cfg.ray_address or "local", num_cpus=None if cfg.ray_address else os.cpu_count(),
+                 include_dashboard=False, logging_level=logging.ERROR, log_to_driver=True)
+    try:
+        return _run_on_ray(cfg, prep, started, loc)
+    finally:
+        if we_started_ray:
+            ray.shutdown()
+
+
+def _run_on_ray(cfg: RunConfig, prep: Prepared, started: float, loc: Location) -> Summary:
+    import ray
+
+    total_cpus = int(ray.cluster_resources().get("CPU", 0))
+    cpus = cfg.cpus_per_replica or max(1, total_cpus // cfg.replicas)
+    if cpus * cfg.replicas > total_cpus:  # before anything is written
+        raise CaptureError(f"{cfg.replicas} replica(s) x {cpus} CPU(s) do not fit the {total_cpus} CPU(s) Ray has; "
+                           "lower --replicas or --cpus-per-replica")
     try:
         writer, manifest = manifest_mod.ManifestWriter.open(loc, prep.header)
         writer.dataset(manifest, dataclasses.asdict(prep.dataset))
@@ -300,18 +320,6 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float, loc: Location) -
     seen = manifest.token_hashes() if cfg.filters.dedup else set()
     per_token = bytes_per_token(prep.header)
 
-    we_started_ray = not ray.is_initialized()
-    if we_started_ray:
-        # "local": a new instance even where `ray start` left a (maybe stale) /tmp/ray/ray_current_cluster
-        ray.init(address=cfg.ray_address or "local", num_cpus=None if cfg.ray_address else os.cpu_count(),
-                 include_dashboard=False, logging_level=logging.ERROR, log_to_driver=True)
-    total_cpus = int(ray.cluster_resources().get("CPU", 0))
-    cpus = cfg.cpus_per_replica or max(1, total_cpus // cfg.replicas)
-    if cpus * cfg.replicas > total_cpus:
-        if we_started_ray:
-            ray.shutdown()
-        raise CaptureError(f"{cfg.replicas} replica(s) x {cpus} CPU(s) do not fit the {total_cpus} CPU(s) Ray has; "
-                           "lower --replicas or --cpus-per-replica")
     # a vLLM replica on a GPU cluster holds its TP group's GPUs (Ray sets CUDA_VISIBLE_DEVICES for it)
     gpus = cfg.tp if prep.engine.name == "vllm" and ray.cluster_resources().get("GPU", 0) else 0
     actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus)(_replica_class())
@@ -365,8 +373,6 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float, loc: Location) -
         if pool is not None:
             summary.replicas = [dataclasses.asdict(s) for s in pool.stats]
             summary.quarantined = dict(pool.quarantined)
-        if we_started_ray:
-            ray.shutdown()
     summary.rejected = dict(rejected)
     manifest_now = manifest_mod.read(loc)
     summary.total_rows = sum(s["rows"] for s in manifest_now.shards)

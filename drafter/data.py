@@ -47,7 +47,8 @@ def run_header(run_dir: str | os.PathLike) -> dict:
     if head is None:
         raise CaptureError(f"{run_dir} holds no capture run (no manifest.jsonl header)")
     if not head.get("argmax"):
-        raise CaptureError(f"{run_dir} was captured with --no-argmax; a drafter needs the target's greedy tokens")
+        raise CaptureError(f"{run_dir} was captured with --no-argmax; the offline score (and the default labels) "
+                           "need the target's greedy tokens, even when training uses --labels dataset")
     if not tap_columns(head):
         raise CaptureError(f"{run_dir} stores no tap_<k> columns")
     return head

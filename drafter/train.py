@@ -167,6 +167,8 @@ def train(cfg: TrainConfig, d: Data | None = None) -> dict:
     generator seeded by ``cfg.seed``, so a run is reproducible on one machine."""
     d = d or load_data(cfg.run, cfg.heldout_fraction, cfg.target_dir)
     out = Path(cfg.out)
+    if (out / "model.safetensors").exists():
+        raise CaptureError(f"{out} already holds a trained drafter; train into another --out")
     out.mkdir(parents=True, exist_ok=True)
     with open(out / METRICS, "w") as log:
 

@@ -91,6 +91,7 @@ class Report:
     """The audit (JSON with :func:`dataclasses.asdict`; Markdown with :func:`markdown`)."""
 
     run: str
+    complete: bool  # the run has its completion record (else: a capture may still be writing it)
     reference: dict  # name, path, revision, rows_read, conversations, tokenized, skipped, truncated
     captured: dict  # rows, tokens, loss_tokens
     categories: dict  # category -> {rows, tokens, loss_tokens}
@@ -124,6 +125,8 @@ def audit(run_dir: str | os.PathLike, reference: str, *, source_column: str = "s
     Raises CaptureError when ``run_dir`` holds no run, the tokenizer cannot be found or differs from the
     run's (hash), or the reference cannot be read.
     """
+    if "://" in str(run_dir):
+        raise CaptureError(f"capture audit reads local run folders only; copy {run_dir} to a local folder first")
     run_dir = Path(run_dir)
     manifest = manifest_mod.read(run_dir)
     if manifest.header is None:
@@ -140,6 +143,10 @@ def audit(run_dir: str | os.PathLike, reference: str, *, source_column: str = "s
     with _bar(progress, "index reference", "row") as bar:
         index = ref_index.build(ref, encoder, alternation=alternation, source_column=source_column,
                                 truncation_lengths=lengths, on_row=bar.update)
+    if index.rows_read == 0:
+        raise CaptureError(f"reference {reference} has no rows")
+    if source_column != "source" and index.sources == [ref.name]:
+        raise CaptureError(f"no row of reference {reference} has a string column {source_column!r}")
     regenerated_run = (header.get("responses") or {}).get("mode") == "regenerate"
     first_token = int(encoder.encode(Conversation("probe:0", 0, "probe", (("user", "Hi"), ("assistant", "Hello"))))
                       .input_ids[0])
@@ -194,6 +201,7 @@ def audit(run_dir: str | os.PathLike, reference: str, *, source_column: str = "s
     g_agree = sum(c["greedy_agree"] for c in per_source.values())
     return Report(
         run=str(run_dir),
+        complete=manifest.complete,
         reference={"name": ref.name, "path": ref.path, "revision": ref.revision, "rows_read": index.rows_read,
                    "conversations": int((index.row_source != ref_index.NO_SOURCE).sum()),
                    "tokenized": int(index.tokenized.sum()), "tokens": index.tokens, "longest_tokens": index.longest,
@@ -329,7 +337,11 @@ def _encoder(header: dict, prov: dict, model_path: str | None, filters: dict) ->
     if not Path(model_dir).is_dir():
         raise CaptureError(f"model folder {model_dir} does not exist; pass --model-path (the run's tokenizer)")
     kwargs = tuple(sorted(((header.get("responses") or {}).get("chat_template_kwargs") or {}).items()))
-    enc = load_encoder(str(model_dir), template_kwargs=kwargs)
+    try:
+        enc = load_encoder(str(model_dir), template_kwargs=kwargs)
+    except (OSError, ValueError) as e:
+        raise CaptureError(f"cannot load a tokenizer from {model_dir}: {' '.join(str(e).split())[:160]}; "
+                           "pass --model-path with the run's model folder") from None
     found = tokenizer_sha256(enc.tokenizer)
     if found != header["tokenizer_sha256"]:
         raise CaptureError(f"the tokenizer in {model_dir} (sha256 {found[:12]}) is not the run's "
@@ -349,10 +361,11 @@ def markdown(r: Report) -> str:
     ref, cap = r.reference, r.captured
     pct = lambda a, b: f"{100 * a / b:.1f}%" if b else "–"  # noqa: E731
     out = [f"## Data audit: `{r.run}` against `{ref['name']}`", "",
-           f"Reference: {ref['rows_read']:,} rows read ({ref['revision'][:20]}), {ref['conversations']:,} "
+           f"Reference: {ref['rows_read']:,} rows read ({ref['revision'][:64]}), {ref['conversations']:,} "
            f"conversations, {ref['tokenized']:,} tokenized with the run's chat template."
            + (f" The file ends mid-record: {ref['truncated']}" if ref["truncated"] else ""),
-           f"Captured: {cap['rows']:,} conversations, {cap['tokens']:,} tokens ({cap['loss_tokens']:,} supervised).",
+           f"Captured: {cap['rows']:,} conversations, {cap['tokens']:,} tokens ({cap['loss_tokens']:,} supervised)."
+           + ("" if r.complete else " The run has no completion record yet: this covers the rows committed so far."),
            "", "| category | conversations | tokens | supervised tokens |", "|---|---:|---:|---:|"]
     out += [f"| {c} | {v['rows']:,} | {v['tokens']:,} | {v['loss_tokens']:,} |" for c, v in r.categories.items()]
     g = r.greedy
@@ -364,8 +377,8 @@ def markdown(r: Report) -> str:
             "| greedy agreement |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     out += [f"| {s} | {v['rows']:,} | {v['exact']:,} | {v['truncated']:,} | {v['regenerated']:,} | {v['tokens']:,} "
             f"| {v['loss_tokens']:,} | {100 * v['token_share']:.1f}% | "
-            f"{pct(v['greedy_agree'], v['greedy_positions'])} |" for s, v in r.sources.items()]
-    out += ["", "### Reference rows never captured", "",
+            f"{pct(v['greedy_agree'], v['greedy_positions'])} |" for s, v in r.sources.items()] or ["| (none) |"]
+    out += ["", "### Reference rows never captured (beyond --limit, filtered, capped or not in the run)", "",
             "| source | reference conversations | tokenized | captured | never captured |", "|---|---:|---:|---:|---:|"]
     out += [f"| {s} | {v['conversations']:,} | {v['tokenized']:,} | {v['captured']:,} | {v['never_captured']:,} |"
             for s, v in r.coverage.items()]
@@ -384,10 +397,14 @@ def markdown(r: Report) -> str:
             msg = f"{d['message']} ({d['role']})" if d["message"] is not None else "–"
             out.append(f"| `{d['sample_id']}` | {d['tokens']:,} | {near} | {d['shared_prefix_tokens']:,} | "
                        f"{d['first_difference'] if d['first_difference'] is not None else '–'} | {msg} | "
-                       f"{d['captured_token']} / {d['reference_token']} |")
+                       f"{_or_dash(d['captured_token'])} / {_or_dash(d['reference_token'])} |")
         if r.undiagnosed:
             out.append(f"\n{r.undiagnosed:,} more unmatched rows not diagnosed (--max-diagnoses).")
     return "\n".join(out) + "\n"
+
+
+def _or_dash(value) -> str:
+    return "–" if value is None else str(value)
 
 
 def as_json(r: Report) -> str:

@@ -11,7 +11,7 @@ Two tables, each a pair of numpy arrays sorted by key:
 * ``whole``: every tokenized row, ``(key of all its tokens, row)``, duplicates kept (exact matches are
   counted as a multiset);
 * ``prefix``: the keys of the row's prefixes that end at every answer start and end (rising and falling
-  edges of the loss mask), at every power-of-two length from 8, at each truncation length given (the run's
+  edges of the loss mask), at every power-of-two length, at each truncation length given (the run's
   ``--max-tokens``/context limit) and at its full length, one row per distinct key (the first row that
   has it). Answer-start prefixes find regenerated rows (same prompt, new answer), truncation lengths find
   truncated rows, and the longest indexed prefix a captured row shares with any reference row names the
@@ -21,7 +21,7 @@ Memory model: 12 bytes (uint64 key + uint32 row) per distinct prefix key and per
 bytes per reference row (source id, captured flag), on top of the imports and tokenizer and the
 transient tokenization of one row (the chat encoder's offset maps: measured ~375 bytes per token of the
 longest row, 87 MB for ShareGPT's longest, 231k tokens). A row of T tokens and k answers adds at most
-``2k + log2(T/4) + 2`` prefix keys, fewer once shared prefixes (a system prompt) are merged; pending keys
+``2k + log2(T) + 2`` prefix keys, fewer once shared prefixes (a system prompt) are merged; pending keys
 are merged into the sorted tables every :data:`COMPACT_EVERY` keys, so the peak is the tables plus one
 pending batch. ``bench/audit.out`` measures it. With 64-bit keys the chance that two different sequences
 among n keys collide is about n²/2⁶⁵ (3·10⁻⁵ at 30 M keys).
@@ -64,12 +64,12 @@ def prefix_keys(ids: np.ndarray, cuts: Iterable[int]) -> dict[int, int]:
 
 def cut_points(loss_mask: np.ndarray, extra: Iterable[int] = ()) -> set[int]:
     """Prefix lengths indexed for a row: every answer start and end (loss-mask edges), every power of two
-    from 8 below T, the ``extra`` lengths below T, and T itself."""
+    below T, the ``extra`` lengths below T, and T itself."""
     t = len(loss_mask)
     m = np.asarray(loss_mask, dtype=np.int8)
     edges = np.flatnonzero(np.diff(m, prepend=0, append=0)) if t else np.array([], dtype=np.int64)
     cuts = {int(e) for e in edges} | {t} | {c for c in extra if c < t}
-    p = 8
+    p = 1
     while p < t:
         cuts.add(p)
         p *= 2

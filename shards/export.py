@@ -56,10 +56,15 @@ def export(run: str | os.PathLike, out: str | os.PathLike, fmt: str, *, split: s
         raise CaptureError(f"unknown export format {fmt!r}; one of {', '.join(FORMATS)}")
     stream = ShardStream(run, filesystem=filesystem, split=split, heldout_fraction=heldout_fraction)
     if stream.final_kind is None:
-        raise CaptureError(f"{fmt} files need the final state and {run} stored none; capture with --final post-norm")
+        raise CaptureError(f"{fmt} files need the final state, which run {run} did not store; "
+                           "capture with --final post-norm")
+    if len(stream) == 0:
+        raise CaptureError(f"run {run} has no committed samples in split {split!r}; nothing to export")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CaptureError(f"{out} exists and is not empty; export into a new folder")
+    if filesystem is None and out.resolve().is_relative_to(Path(run).resolve()):
+        raise CaptureError(f"{out} is inside the run folder {run}; export into a folder outside it")
     out.mkdir(parents=True, exist_ok=True)
 
     write = _specforge if fmt == "specforge" else _speculators

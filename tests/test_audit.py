@@ -229,3 +229,25 @@ def test_refuses_a_tokenizer_that_is_not_the_runs(captured, tmp_path, sample_jso
     proc = capture_cli("audit", str(captured), "--reference", str(sample_jsonl), "--model-path", str(model))
     assert proc.returncode == 2
     assert "is not the run's" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_audit_user_errors_are_one_line(captured, tmp_path, sample_jsonl):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for args, message in (
+        (["--reference", str(empty)], "has no rows"),
+        (["--reference", str(sample_jsonl), "--source-column", "origin"], "has a string column 'origin'"),
+        (["--reference", str(sample_jsonl), "--model-path", str(tmp_path)], "cannot load a tokenizer from"),
+    ):
+        proc = capture_cli("audit", str(captured), *args, "--no-progress")
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-1500:]
+
+
+def test_an_edit_in_the_first_tokens_is_diagnosed(captured, tmp_path, sample_jsonl):
+    rows = stored_rows(captured)
+    ids = rows[0].input_ids.copy()
+    ids[5] += 1
+    rows[0] = dataclasses.replace(rows[0], input_ids=ids, token_sha256=token_sha256(ids))
+    copy_run(captured, tmp_path / "run", rows)
+    (d,) = audit(tmp_path / "run", str(sample_jsonl)).unmatched
+    assert d["nearest_row"] is not None and d["first_difference"] == 5 and d["shared_prefix_tokens"] == 5

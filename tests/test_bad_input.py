@@ -68,6 +68,7 @@ def test_all_records_filtered_exits_non_zero_with_reasons(tmp_path, bad_jsonl):
         (["--target", "nope"], "unknown target 'nope'"),
         (["--shard-size", "lots"], "not a size"),
         (["--chat-template", "/no/template.jinja"], "cannot read --chat-template"),
+        (["--unit-timeout", "inf"], "unit-timeout: inf is not a number of seconds > 0"),
     ],
 )
 def test_user_errors_are_one_line(tmp_path, args, message):
@@ -150,6 +151,7 @@ def test_out_that_is_a_file_and_too_many_replicas(tmp_path):
     assert result.exit_code == 2 and "exists and is not a folder" in result.stderr
     result = capture_inproc("run", "--out", str(tmp_path / "r"), "--limit", "2", "--replicas", "5", *SMALL)
     assert result.exit_code == 2 and "5 replica(s)" in result.stderr and "do not fit" in result.stderr
+    assert not (tmp_path / "r" / "manifest.jsonl").exists() and not (tmp_path / "r" / "provenance.json").exists()
 
 
 def test_another_file_with_a_dataset_name_already_read_is_refused(tmp_path):

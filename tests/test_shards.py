@@ -535,7 +535,7 @@ def test_gc_removes_exactly_garbage(run_with_garbage):
     assert report.ok and report.garbage == [] and report.rows == 9
 
     again = invoke("shards", "gc", str(run))
-    assert again.exit_code == 0 and again.output == ""
+    assert again.exit_code == 0 and again.output == "nothing to remove\n"
 
 
 def test_gc_refuses_a_live_run_and_a_folder_without_a_run(run_with_garbage, tmp_path):
