@@ -153,6 +153,10 @@ def test_ray_job_submit_two_replicas(tmp_path, sample_jsonl, tag, ray_head_port)
     ray_bin = str(Path(sys.executable).with_name("ray"))
     start = subprocess.run([ray_bin, "start", "--head", "--port", str(port), "--dashboard-host", "127.0.0.1",
                             "--dashboard-port", str(dash), "--num-cpus", "2", "--include-dashboard", "true",
+                            # every fixed default port free too: another Ray on this machine may hold them
+                            *(a for flag in ("--ray-client-server-port", "--dashboard-agent-listen-port",
+                                             "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
+                                             "--metrics-export-port") for a in (flag, str(free_port()))),
                             "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=180)
     assert start.returncode == 0, start.stderr[-3000:]
     out = tmp_path / "run"
