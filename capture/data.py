@@ -369,13 +369,10 @@ def _normalize(row: Any, alternation: Alternation) -> tuple[Any, list[str]]:
         return _normalize_structured(turns, alternation)
     parsed: list[tuple[Role, str]] = []
     for turn in turns:
-        if not isinstance(turn, dict):
-            return None, ["malformed_turn"]
-        role_name = _first_present(turn, "from", "role")
-        role = _ROLES.get(role_name.strip().lower()) if isinstance(role_name, str) else None
-        if role is None:
-            return None, ["unknown_role"]
-        content = _first_present(turn, "value", "content")
+        role_content = _role_and_content(turn)
+        if isinstance(role_content, str):
+            return None, [role_content]
+        role, content = role_content
         if not isinstance(content, str):
             return None, ["non_string_content"]
         if not _is_utf8(content):
@@ -458,13 +455,10 @@ def _normalize_structured(turns: list, alternation: Alternation) -> tuple[_Struc
     messages: list[tuple[Role, str]] = []
     extras: list[dict] = []
     for turn in turns:
-        if not isinstance(turn, dict):
-            return None, ["malformed_turn"]
-        role_name = _first_present(turn, "from", "role")
-        role = _ROLES.get(role_name.strip().lower()) if isinstance(role_name, str) else None
-        if role is None:
-            return None, ["unknown_role"]
-        content = _first_present(turn, "value", "content")
+        role_content = _role_and_content(turn)
+        if isinstance(role_content, str):
+            return None, [role_content]
+        role, content = role_content
         extra: dict = {}
         if role == "assistant":
             if isinstance(turn.get("reasoning_content"), str) and turn["reasoning_content"].strip():
@@ -526,6 +520,18 @@ def _is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def _role_and_content(turn: Any) -> tuple[Role, Any] | str:
+    """A turn's normalized role and its raw content (either key pair), or the skip reason
+    (``malformed_turn``: not a dict; ``unknown_role``)."""
+    if not isinstance(turn, dict):
+        return "malformed_turn"
+    role_name = _first_present(turn, "from", "role")
+    role = _ROLES.get(role_name.strip().lower()) if isinstance(role_name, str) else None
+    if role is None:
+        return "unknown_role"
+    return role, _first_present(turn, "value", "content")
 
 
 def _first_present(turn: dict, *keys: str) -> Any:
