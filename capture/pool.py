@@ -94,15 +94,12 @@ class ReplicaPool:
     def submit(self, records: list) -> None:
         """Queue one unit on the least-loaded replica; waits (handling results and failures) while all
         are full, and hands out retried units first."""
-        self._submit(Unit(records))
-
-    def _submit(self, unit: Unit) -> None:
         while True:
             while self.retry and self._free_slot() is not None:
                 self._send(self._free_slot(), self.retry.pop(0))
             slot = self._free_slot()
             if slot is not None:
-                self._send(slot, unit)
+                self._send(slot, Unit(records))
                 return
             self._wait()
 

@@ -24,7 +24,7 @@ import os
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
-from ray.data import Datasource, ReadTask, read_datasource
+from ray.data import Dataset, Datasource, ReadTask, read_datasource
 from ray.data.block import BlockMetadata
 
 from capture.errors import CaptureError
@@ -69,7 +69,7 @@ def _read_shard(source: RunSource, path: str, split: str, heldout_fraction: floa
 
 
 def read_run(run: str | os.PathLike, *, filesystem: pafs.FileSystem | None = None, split: str = "all",
-             heldout_fraction: float = 0.01) -> "ray.data.Dataset":  # noqa: F821
+             heldout_fraction: float = 0.01) -> Dataset:
     """``ray.data.read_datasource`` of :class:`ShardDatasource` (a running Ray, or a local one started)."""
     return read_datasource(ShardDatasource(run, filesystem=filesystem, split=split, heldout_fraction=heldout_fraction))
 

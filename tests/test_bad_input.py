@@ -1,7 +1,6 @@
 """Bad input through the real CLI: clear one-line errors or counted skips, nothing lost."""
 
 import json
-import subprocess
 
 import pytest
 

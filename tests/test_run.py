@@ -8,7 +8,6 @@ import sys
 import time
 
 import numpy as np
-import pytest
 import torch
 
 from conftest import REPO, capture_cli

@@ -10,8 +10,6 @@ import dataclasses
 import errno
 import hashlib
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
