@@ -7,8 +7,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from shards.writer import Row, ShardInfo
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_SAMPLE = REPO.parent / "shared" / "data" / "open-perfectblend-sample.jsonl"
@@ -83,3 +87,16 @@ def reader_run(tmp_path_factory, smol_dir) -> Path:
                 "post-norm", "--limit", "60", "--max-tokens", "256", "--overlength", "truncate", "--unit-tokens",
                 "2048", "--shard-size", "2MiB", "--out", str(out), "--no-progress", check=True)
     return out
+
+
+@pytest.fixture
+def good_run(tmp_path) -> tuple[Path, list[ShardInfo], list[Row]]:
+    """A complete run of three shards of three random rows (tests/helpers.py, no model): for the verify and
+    manifest tests."""
+    from helpers import make_rows, write_run
+
+    run = tmp_path / "run"
+    rows = make_rows(7, 9)
+    infos = write_run(run, [rows[0:3], rows[3:6], rows[6:9]], target_bytes=1)  # one shard per batch
+    assert [i.rows for i in infos] == [3, 3, 3]
+    return run, infos, rows

@@ -1,12 +1,11 @@
 """Loss masks from the real SmolLM2 chat template over real conversations."""
 
-import itertools
-
 import numpy as np
 import pytest
+from helpers import multi_turn
 
 from capture.chat import ChatEncoder
-from capture.data import Conversation, ReadStats, iter_conversations, resolve_dataset
+from capture.data import Conversation
 from capture.errors import CaptureError
 
 
@@ -14,11 +13,6 @@ def spans(mask: np.ndarray) -> list[tuple[int, int]]:
     """Contiguous True runs as (start, stop)."""
     edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
     return list(zip(edges[::2], edges[1::2]))
-
-
-def multi_turn(n: int) -> list[Conversation]:
-    convs = iter_conversations(resolve_dataset("sharegpt"), ReadStats())
-    return list(itertools.islice((c for c in convs if sum(r == "assistant" for r, _ in c.messages) >= 2), n))
 
 
 def test_mask_decodes_to_exactly_the_assistant_turns(encoder):

@@ -21,7 +21,7 @@ from shards.manifest import ManifestWriter
 from shards.reader import read_table, shard_paths, state_tensor
 from shards.stream import ShardStream
 from shards.writer import ShardWriter
-from test_stream import bits, real_rows
+from helpers import bits, real_rows
 
 TAPS = ("tap_3", "tap_15", "tap_27")
 

@@ -15,7 +15,7 @@ import fsspec
 import pyarrow.fs as pafs
 import pytest
 import torch
-from test_shards import HEADER, make_header, make_rows, write_run
+from helpers import HEADER, make_header, make_rows, write_run
 
 from capture.errors import CaptureError
 from conftest import capture_cli

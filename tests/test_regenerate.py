@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import capture_cli, capture_inproc
+from helpers import multi_turn
 from shards import manifest
 from shards.reader import iter_rows, read_table
 
@@ -189,8 +190,6 @@ def test_left_padded_batch_generates_what_each_prompt_generates_alone(encoder, e
 
 def test_prompt_segments_rebuild_the_dataset_encoding(encoder):
     """With the dataset's answers spliced in, the segments give exactly the dataset-mode ids (real multi-turn rows)."""
-    from test_chat import multi_turn
-
     tok = encoder.tokenizer
     checked = 0
     for conv in multi_turn(40):

@@ -12,6 +12,7 @@ import time
 import pyarrow.fs as pafs
 import pytest
 import torch
+from helpers import bits, real_rows
 from torch.utils.data import DataLoader
 
 from capture.errors import CaptureError
@@ -19,13 +20,9 @@ from shards import format as shard_format
 from shards import manifest as manifest_mod
 from shards.manifest import ManifestWriter
 from shards.pack import pack
-from shards.reader import iter_rows, read_table, shard_paths, state_tensor
+from shards.reader import read_table, shard_paths, state_tensor
 from shards.stream import ShardStream, heldout_score, hf_dataset
-from shards.writer import Row, ShardWriter
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int16)
+from shards.writer import ShardWriter
 
 
 def token_hash(ids: torch.Tensor) -> str:
@@ -180,13 +177,6 @@ def test_pack_conserves_tokens_and_never_splits_a_sample(reader_run):
     assert [sid for b in cut for sid in b["sample_ids"]] == flat
     with pytest.raises(CaptureError, match="over the budget"):
         list(pack(samples, small, oversize="error"))
-
-
-def real_rows(run) -> list[Row]:
-    """The run's rows as writer Rows (to write them again as another run would)."""
-    return [Row(r["sample_id"], r["source"], r["row_index"], r["input_ids"], r["loss_mask"], r["argmax"],
-                {c: r[c] for c in ("tap_3", "tap_15", "tap_27", "final")}, r["token_sha256"])
-            for r in iter_rows(run)]
 
 
 def test_tail_follows_a_writer_and_stops_at_completion(reader_run, tmp_path):

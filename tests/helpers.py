@@ -1,0 +1,182 @@
+"""Plain builders shared by several test files (fixtures live in conftest.py, or in the one file that uses them).
+
+Shard rows: small random tensors (hidden size ``H`` = 8, 5–40 tokens) under a run header for two taps
+(``tap_1``, ``tap_3``) and a ``final`` column; :func:`write_run` writes and commits them like a capture.
+Filter records: :func:`make_record` / :func:`make_prompt` build ``capture.chat`` records from plain lists.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+from click.testing import CliRunner
+
+import cli
+from capture.chat import Prompt, Tokenized
+from capture.data import Conversation, ReadStats, iter_conversations, resolve_dataset
+from capture.hashing import token_sha256
+from shards import format as shard_format
+from shards.manifest import MANIFEST, ManifestWriter
+from shards.reader import iter_rows
+from shards.writer import Row, ShardInfo, ShardWriter
+
+# --------------------------------------------------------------------------------------------------
+# shard rows and runs (no model)
+
+H = 8
+COLUMNS = ["tap_1", "tap_3", "final"]
+BIG = 1 << 40  # a target size no test reaches: the shard closes only on close()
+
+
+def make_header(**overrides) -> dict:
+    h = shard_format.header(
+        target={"name": "tiny", "source": "test", "revision": "0", "architecture": "none", "num_layers": 4},
+        taps={"layers": [1, 3], "final": "post-norm", "tap_convention": "t", "final_convention": "f"},
+        columns=list(COLUMNS),
+        hidden_size=H,
+        dtype="bfloat16",
+        codec="bf16",
+        argmax=True,
+        chat_template="{{ messages }}",
+        chat_template_sha256="a" * 64,
+        tokenizer_sha256="b" * 64,
+    )
+    h.update(overrides)
+    return h
+
+
+HEADER = make_header()
+SCHEMA = shard_format.schema(HEADER)
+# a regenerate-mode run header (finish_reasons per generated turn)
+REGENERATED = make_header(responses={"mode": "regenerate", "policy": "every", "temperature": 0.0, "top_p": 1.0,
+                                     "max_new_tokens": 16, "seed": 0, "stop_ids": [2], "chat_template_kwargs": {}})
+
+
+def make_row(rng: np.random.Generator, index: int, tokens: int, source: str = "alpha", *,
+             dataset: str = "d", incompressible: bool = False, header: dict = HEADER) -> Row:
+    ids = rng.integers(0, 50_000, tokens, dtype=np.int32)
+    mask = rng.random(tokens) < 0.5
+    mask[-1] = True  # at least one supervised token
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[header["dtype"]]
+    states = {}
+    for c in header["columns"]:
+        if incompressible:  # uniformly random bits: zstd cannot shrink them
+            states[c] = torch.randint(-(1 << 15), 1 << 15, (tokens, header["hidden_size"]), dtype=torch.int16,
+                                      generator=gen).view(dtype)
+        else:
+            states[c] = (torch.randn(tokens, header["hidden_size"], generator=gen) * 3).to(dtype)
+    argmax = rng.integers(0, 50_000, tokens, dtype=np.int32) if header["argmax"] else None
+    return Row(f"{dataset}:{index}", source, index, ids, mask, argmax, states, token_sha256(ids))
+
+
+def make_rows(seed: int, n: int, start: int = 0, sources=("alpha", "beta")) -> list[Row]:
+    rng = np.random.default_rng(seed)
+    return [make_row(rng, start + i, int(rng.integers(5, 41)), sources[i % len(sources)]) for i in range(n)]
+
+
+def write_run(run_dir: Path, batches: list[list[Row]], target_bytes: int = BIG, *, complete: bool = True,
+              header: dict = HEADER) -> list[ShardInfo]:
+    """Write ``batches`` through one ShardWriter, commit every closed shard, optionally mark complete."""
+    mw, _ = ManifestWriter.open(run_dir, header)
+    writer = ShardWriter(run_dir, shard_format.schema(header), target_bytes=target_bytes)
+    infos = []
+    for batch in batches:
+        for info in writer.write(batch):
+            mw.commit(info)
+            infos.append(info)
+    for info in writer.close():
+        mw.commit(info)
+        infos.append(info)
+    if complete:
+        mw.complete({"rows": sum(i.rows for i in infos), "reason": "test"})
+    return infos
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+def assert_row_equal(got: dict, row: Row) -> None:
+    assert got["sample_id"] == row.sample_id
+    assert got["source"] == row.source
+    assert got["row_index"] == row.row_index
+    np.testing.assert_array_equal(got["input_ids"], row.input_ids)
+    assert got["input_ids"].dtype == np.int32
+    np.testing.assert_array_equal(got["loss_mask"], row.loss_mask)
+    assert got["loss_mask"].dtype == np.bool_
+    np.testing.assert_array_equal(got["argmax"], row.argmax)
+    assert got["num_tokens"] == len(row.input_ids)
+    assert got["num_loss_tokens"] == int(row.loss_mask.sum())
+    assert got["token_sha256"] == row.token_sha256
+    for c, t in row.states.items():
+        assert got[c].dtype == t.dtype and got[c].shape == t.shape
+        assert torch.equal(got[c], t)
+        assert torch.equal(bits(got[c]), bits(t))
+
+
+def manifest_lines(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / MANIFEST).read_text().splitlines()]
+
+
+def rewrite_manifest(run_dir: Path, lines: list[dict]) -> None:
+    (run_dir / MANIFEST).write_text("".join(json.dumps(e, sort_keys=True) + "\n" for e in lines))
+
+
+def flip_byte(path: Path, offset: int | None = None) -> None:
+    data = bytearray(path.read_bytes())
+    offset = len(data) // 2 if offset is None else offset
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli.main, list(args), catch_exceptions=False)
+
+
+def hand_written_shard(path: Path, metadata: dict | None) -> None:
+    """A two-row Arrow stream with only a sample_id column and the given schema metadata."""
+    schema = pa.schema([pa.field("sample_id", pa.string())], metadata=metadata)
+    batch = pa.record_batch([pa.array(["d:0", "d:1"])], schema=schema)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as w:
+        w.write_batch(batch)
+
+
+# --------------------------------------------------------------------------------------------------
+# a real run's rows, real conversations
+
+
+def real_rows(run) -> list[Row]:
+    """The run's rows as writer Rows (to write them again as another run would)."""
+    return [Row(r["sample_id"], r["source"], r["row_index"], r["input_ids"], r["loss_mask"], r["argmax"],
+                {c: r[c] for c in ("tap_3", "tap_15", "tap_27", "final")}, r["token_sha256"])
+            for r in iter_rows(run)]
+
+
+def multi_turn(n: int) -> list[Conversation]:
+    convs = iter_conversations(resolve_dataset("sharegpt"), ReadStats())
+    return list(itertools.islice((c for c in convs if sum(r == "assistant" for r, _ in c.messages) >= 2), n))
+
+
+# --------------------------------------------------------------------------------------------------
+# filter records (capture.chat.Tokenized / Prompt) from plain lists
+
+
+def make_record(ids, mask=None, sample_id: str = "t:0", row_index: int = 0, source: str = "test") -> Tokenized:
+    """A tokenized record: ``ids`` as int32, ``mask`` as bool (every token supervised when None)."""
+    input_ids = np.asarray(ids, dtype=np.int32)
+    loss_mask = np.ones(len(input_ids), dtype=np.bool_) if mask is None else np.asarray(mask, dtype=np.bool_)
+    assert loss_mask.shape == input_ids.shape
+    return Tokenized(sample_id, row_index, source, input_ids, loss_mask)
+
+
+def make_prompt(*segments, sample_id: str = "p:0", row_index: int = 0, source: str = "test",
+                turn_end: int = 2) -> Prompt:
+    """A regenerate-mode prompt: one int32 segment per assistant turn to generate (``turns`` = len(segments))."""
+    segs = tuple(np.asarray(s, dtype=np.int32) for s in segments)
+    return Prompt(sample_id, row_index, source, segs, tuple([turn_end] * (len(segs) - 1)))

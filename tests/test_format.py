@@ -1,0 +1,57 @@
+"""shards.format: the Arrow schema and its header metadata, and the format version gate (a major
+version refused, a minor one accepted, a file without a capture header refused). No model. Fast."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+from helpers import HEADER, SCHEMA, hand_written_shard, make_header
+
+from capture.errors import CaptureError
+from shards import format as shard_format
+from shards.format import FormatError
+from shards.reader import read_table
+
+
+def test_schema_columns_and_metadata():
+    assert SCHEMA.names == ["sample_id", "source", "row_index", "input_ids", "loss_mask", "argmax", "num_tokens",
+                            "num_loss_tokens", "token_sha256", "finish_reasons", "tap_1", "tap_3", "final"]
+    assert SCHEMA.field("finish_reasons").nullable and SCHEMA.field("finish_reasons").type == pa.list_(pa.string())
+    assert SCHEMA.field("tap_3").metadata == {b"codec": b"bf16", b"dtype": b"bfloat16", b"shape": b"[T, 8]",
+                                              b"layer": b"3"}
+    assert SCHEMA.field("final").metadata[b"layer"] == b"post-norm"
+    assert shard_format.read_header(SCHEMA) == HEADER
+    assert "argmax" not in shard_format.schema(make_header(argmax=False)).names
+    with pytest.raises(CaptureError, match="unknown codec .nope."):
+        shard_format.header(
+            target={}, taps={}, columns=[], hidden_size=1, dtype="bfloat16", codec="nope", argmax=False,
+            chat_template="", chat_template_sha256="", tokenizer_sha256="")
+
+
+def test_format_version_2_refused(tmp_path):
+    path = tmp_path / "v2.arrow"
+    hand_written_shard(path, {b"capture": json.dumps(make_header(format_version="2.0")).encode()})
+    with pytest.raises(FormatError, match=r"version 2\.0"):
+        read_table(path)
+    with pytest.raises(FormatError, match=r"version 2\.0"):
+        read_table(path, columns=["sample_id"])
+    assert issubclass(FormatError, CaptureError)
+
+
+def test_format_minor_version_accepted(tmp_path):
+    path = tmp_path / "v1_7.arrow"
+    hand_written_shard(path, {b"capture": json.dumps(make_header(format_version="1.7")).encode()})
+    assert read_table(path)["sample_id"].to_pylist() == ["d:0", "d:1"]
+
+
+def test_format_without_header_refused(tmp_path):
+    path = tmp_path / "plain.arrow"
+    hand_written_shard(path, None)
+    with pytest.raises(FormatError, match="no 'capture' header"):
+        read_table(path)
+    path2 = tmp_path / "other-meta.arrow"
+    hand_written_shard(path2, {b"pandas": b"{}"})
+    with pytest.raises(FormatError, match="no 'capture' header"):
+        read_table(path2)
