@@ -25,18 +25,62 @@ class _Group(click.Group):
 
 
 class _RunDir(click.ParamType):
-    """A run: an existing local folder, or a URI (``s3://``, ``gs://``, ``objstore+file://``, ...; see
-    :mod:`shards.fs`), which is checked when it is read."""
+    """A run: a local folder or a URI (``s3://``, ``gs://``, ``objstore+file://``, ...), resolved by
+    :func:`shards.run.as_location`; an unknown scheme is a one-line error, and so (``must_exist``) is a
+    local path that is no folder."""
 
     name = "run_dir"
 
+    def __init__(self, must_exist: bool):
+        self.must_exist = must_exist
+
     def convert(self, value, param, ctx):
-        if "://" in str(value):
-            return value
-        return click.Path(exists=True, file_okay=False).convert(value, param, ctx)
+        from shards.run import as_location
+
+        try:
+            loc = as_location(str(value))
+        except CaptureError as e:
+            self.fail(str(e), param, ctx)
+        if self.must_exist and not loc.is_folder():
+            self.fail(f"{value} is not a folder", param, ctx)
+        return str(value)
 
 
-RUN_DIR = _RunDir()
+RUN_DIR = _RunDir(must_exist=True)
+RUN = _RunDir(must_exist=False)  # the command itself says what is missing
+
+
+class _Registry(click.Choice):
+    """A ``click.Choice`` over the names of a registry (codecs, engines), read when first needed, so that
+    ``capture --help`` does not import torch."""
+
+    def __init__(self, names):
+        self._names = names
+        super().__init__(())
+
+    @property
+    def choices(self):
+        return tuple(self._names())
+
+    @choices.setter
+    def choices(self, _):
+        pass
+
+
+def _codec_names():
+    from shards.codecs import CODECS
+
+    return CODECS
+
+
+def _engine_names():
+    from capture.engines import NAMES
+
+    return NAMES
+
+
+CODEC = _Registry(_codec_names)
+ENGINE = _Registry(_engine_names)
 
 
 def _emit(data, as_json: bool, render) -> None:
@@ -118,7 +162,7 @@ def targets(as_json: bool) -> None:
 @click.option("--min-loss-tokens", type=int)
 @click.option("--overlength", type=click.Choice(["drop", "truncate"]), help="Over --max-tokens / model context.")
 @click.option("--dedup/--no-dedup", default=None, help="Drop exact duplicates by token_sha256.")
-@click.option("--codec", type=click.Choice(["bf16", "bf16-split", "fp8-e4m3"]),
+@click.option("--codec", type=CODEC,
               help="State codec (default bf16-split, lossless; fp8-e4m3 is lossy, 0.43x).")
 @click.option("--codec-threads", type=int, help="Encoder threads per replica (default 2).")
 @click.option("--shard-size", help="Target shard size, e.g. 512MiB.")
@@ -131,7 +175,7 @@ def targets(as_json: bool) -> None:
               "and is replaced (default: no limit).")
 @click.option("--max-unit-attempts", type=int, help="Failures of a work unit before it is split; a single record "
               "that fails this often is quarantined (default 3).")
-@click.option("--engine", type=click.Choice(["hf", "vllm", "exl3", "auto"]),
+@click.option("--engine", type=ENGINE,
               help="hf (transformers), vllm, exl3 (exllamav3, CUDA only, prefill only), or auto (default: vllm "
                    "when installed and a GPU is visible, else hf).")
 @click.option("--vllm-path", type=click.Choice(["auto", "extract", "hooks"]),
@@ -222,7 +266,7 @@ def shards_stat(run_dir, as_json) -> None:
 
 
 @shards.command("head")
-@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("run_dir", type=RUN_DIR)
 @click.option("-n", default=5, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def shards_head(run_dir, n, as_json) -> None:
@@ -257,9 +301,9 @@ def shards_verify(run_dir, as_json) -> None:
 
 
 @shards.command("recode")
-@click.argument("src", type=click.Path(exists=True, file_okay=False))
-@click.argument("dst", type=click.Path(file_okay=False))
-@click.option("--codec", required=True, type=click.Choice(["bf16", "bf16-split", "fp8-e4m3"]))
+@click.argument("src", type=RUN_DIR)
+@click.argument("dst")
+@click.option("--codec", required=True, type=CODEC)
 @click.option("--shard-size", default="512MiB", show_default=True)
 @click.option("--threads", default=2, show_default=True, help="Encoder threads.")
 def shards_recode(src, dst, codec, shard_size, threads) -> None:
@@ -281,14 +325,14 @@ def shards_gc(run_dir, dry_run) -> None:
     from shards.manifest import gc
 
     removed = gc(run_dir, dry_run)
-    for path in removed:
-        click.echo(f"{'would remove' if dry_run else 'removed'} {path.name}")
+    for name in removed:
+        click.echo(f"{'would remove' if dry_run else 'removed'} {name}")
     if not removed:
         click.echo("nothing to remove")
 
 
 @main.command("export")
-@click.argument("run_dir", type=click.Path())
+@click.argument("run_dir", type=RUN)
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--format", "fmt", required=True, type=click.Choice(["specforge", "speculators"]),
               help="specforge: rows_*/data_{i}.ckpt (torch.save); speculators: hidden_states/hs_{i}.safetensors + HF dataset.")
@@ -390,7 +434,7 @@ def provenance_group() -> None:
 
 
 @provenance_group.command("verify")
-@click.argument("run_dir", type=click.Path())
+@click.argument("run_dir", type=RUN)
 @click.option("--json", "as_json", is_flag=True)
 def provenance_verify(run_dir, as_json) -> None:
     """Recompute every recorded hash: weight files, chat template, every shard. Exit 1 on a mismatch,
@@ -412,7 +456,7 @@ def provenance_verify(run_dir, as_json) -> None:
 
 
 @main.command()
-@click.argument("run_dir", type=click.Path())
+@click.argument("run_dir", type=RUN)
 @click.option("--reference", required=True,
               help="The public dataset: a local .json/.jsonl/.parquet/.arrow file, `sharegpt`, or a hub id.")
 @click.option("--source-column", default="source", show_default=True, help="The reference's source column.")

@@ -40,7 +40,8 @@ def run(engine: str, out: Path, limit: int, max_new: int) -> tuple[dict, str]:
 
 
 def check(out: Path, ref) -> dict:
-    from shards.reader import read_table, shard_paths, state_tensor
+    from shards.reader import read_table, shard_paths
+    from shards.rows import state_tensor
 
     table = pa.concat_tables([read_table(p) for p in shard_paths(out)])
     cos = collections.defaultdict(list)

@@ -91,8 +91,6 @@ _CHOICES = {
     "special_text": ("drop", "keep"),
     "responses": ("dataset", "regenerate"),
     "regenerate_policy": ("last", "every"),
-    "codec": ("bf16", "bf16-split", "fp8-e4m3"),
-    "engine": ("auto", "hf", "vllm", "exl3"),
     "vllm_path": ("auto", "extract", "hooks"),
 }
 _INTS = {  # field: smallest allowed value (None allowed where the default is None)
@@ -112,7 +110,10 @@ def _validate(cfg: "RunConfig") -> None:
 
     if not isinstance(cfg.out, str) or not cfg.out.strip():
         bad("out", cfg.out, "a folder path")
-    for name, choices in _CHOICES.items():
+    from capture.engines import NAMES as engines
+    from shards.codecs import CODECS as codecs
+
+    for name, choices in {**_CHOICES, "codec": codecs, "engine": engines}.items():
         if getattr(cfg, name) not in choices:
             bad(name, getattr(cfg, name), "one of " + ", ".join(c for c in choices if c))
     for name, low in _INTS.items():

@@ -10,9 +10,11 @@ are skipped before tokenization, and the dedup filter is seeded with the committ
 A run stops cleanly (everything committed stays committed, no completion record) when the disk is about
 to fill or fills; a run that keeps no record at all raises CaptureError with the counts by reason.
 
-``--out`` may name a run on any file system pyarrow supports (:mod:`shards.fs`). On an object store
+``--out`` may name a run on any file system pyarrow supports (:mod:`shards.run`). On an object store
 there is no rename and no append: shards are written under their final names, the manifest is one
-object per entry, the run lock is an advisory ``.capture.lock`` object, and free space is not checked.
+object per entry, the run lock is an advisory ``.capture.lock`` object, and free space is not checked
+(:class:`shards.run.Location` owns these differences). Engine rules come from the engine's declared
+:class:`capture.engines.base.Capabilities`, never from its name.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ import errno
 import json
 import logging
 import os
-import shutil
 import time
-from pathlib import Path
 
-from capture.chat import ChatEncoder, Tokenized, load_encoder, packaged_template, tokenizer_sha256
+import pyarrow.fs as pafs
+
+from capture.chat import ChatEncoder, load_encoder, packaged_template, tokenizer_sha256
+from capture.records import Tokenized
 from capture.config import RunConfig
-from capture.engines import EngineSpec, engine_spec, vllm_engine_args
+from capture.engines import NAMES, EngineSpec, engine_class, engine_spec, vllm_engine_args
 from capture.data import DatasetRef, ReadStats, iter_conversations, resolve_dataset
 from capture.errors import CaptureError
 from capture.pool import ReplicaPool
@@ -40,7 +43,8 @@ import provenance
 from shards import codecs
 from shards import format as shard_format
 from shards import manifest as manifest_mod
-from shards.fs import Location, resolve
+from shards.format import RunHeader
+from shards.run import LOCK, Location, resolve
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +87,7 @@ class Prepared:
     taps: Taps
     model_dir: str
     encoder: ChatEncoder
-    header: dict
+    header: RunHeader
     context_len: int | None
     dataset: DatasetRef
     engine: EngineSpec
@@ -102,34 +106,36 @@ def prepare(cfg: RunConfig) -> Prepared:
     model_cfg = json.loads((mdir / "config.json").read_text())
     vllm_args = vllm_engine_args(cfg.tp, cfg.max_model_len, cfg.gpu_memory_utilization, cfg.vllm_args)
     engine = engine_spec(cfg.engine, cfg.vllm_path, vllm_args, model_cfg)
-    if engine.name != "vllm":  # refused, not silently ignored
-        vllm_only = [flag for flag, given in (("--vllm-path", cfg.vllm_path != "auto"), ("--tp", cfg.tp != 1),
-                                              ("--max-model-len", cfg.max_model_len is not None),
-                                              ("--gpu-memory-utilization", cfg.gpu_memory_utilization is not None),
-                                              ("--vllm-arg", bool(cfg.vllm_args))) if given]
-        if vllm_only:
-            why = " (--engine auto picks vllm only when vLLM is installed and a GPU is visible)" if cfg.engine == "auto" else ""
-            raise CaptureError(f"{vllm_only[0]} applies only to the vllm engine; this run uses {engine.name}{why}")
-    if engine.name == "exl3" and cfg.responses == "regenerate":
-        raise CaptureError("--engine exl3 captures prefills only; --responses regenerate needs the hf or vllm engine")
+    caps = engine.capabilities
+    given = {"vllm_path": cfg.vllm_path != "auto", "tp": cfg.tp != 1, "max_model_len": cfg.max_model_len is not None,
+             "gpu_memory_utilization": cfg.gpu_memory_utilization is not None, "vllm_args": bool(cfg.vllm_args)}
+    foreign = [name for name, set_ in given.items() if set_ and name not in caps.options]
+    if foreign:  # refused, not silently ignored
+        flag = "--vllm-arg" if foreign[0] == "vllm_args" else "--" + foreign[0].replace("_", "-")
+        takers = [n for n in NAMES[1:] if foreign[0] in engine_class(n).capabilities.options]
+        why = " (--engine auto picks vllm only when vLLM is installed and a GPU is visible)" if cfg.engine == "auto" else ""
+        raise CaptureError(f"{flag} applies only to the {' and '.join(takers)} engine; this run uses {engine.name}{why}")
+    if cfg.responses == "regenerate" and not caps.generates:
+        makers = " or ".join(n for n in NAMES[1:] if engine_class(n).capabilities.generates)
+        raise CaptureError(f"--engine {engine.name} captures prefills only; --responses regenerate needs the {makers} engine")
     header = shard_format.header(
         target={"name": target.name, "source": target.source, "revision": target.revision,
                 "architecture": target.architecture, "num_layers": target.num_layers},
         taps=taps.describe(),
         columns=list(taps.columns),
         hidden_size=target.hidden_size,
-        dtype="float16" if engine.name == "exl3" else target.dtype,  # exllamav3 exports fp16 states
+        dtype=caps.state_dtype or target.dtype,  # e.g. exllamav3 exports fp16 states
         codec=cfg.codec,
         argmax=cfg.argmax,
         chat_template=encoder.template,
         chat_template_sha256=encoder.template_sha256,
         tokenizer_sha256=tokenizer_sha256(encoder.tokenizer),
         responses=responses_header(cfg, encoder.end_ids),
+        engine=engine.describe(),
+        engine_version=engine.version(),
     )
-    header["engine"] = engine.describe()
-    header["engine_version"] = engine.version()
     context = model_cfg.get("max_position_embeddings")
-    limit = vllm_args.get("max_model_len") if engine.name == "vllm" else None
+    limit = engine.context_limit
     if limit:  # vLLM rejects prompts beyond its max_model_len (--max-model-len or --vllm-arg max_model_len=)
         context = min(context or limit, limit)
     return Prepared(target, taps, str(mdir), encoder, header, context, dataset, engine)
@@ -187,10 +193,10 @@ def _units(records, unit_tokens: int):
         yield unit
 
 
-def bytes_per_token(header: dict, codec: str | None = None) -> float:
+def bytes_per_token(header: RunHeader, codec: str | None = None) -> float:
     """Estimated stored bytes per token: states at the codec's measured ratio, plus ids, mask, argmax."""
-    states = len(header["columns"]) * header["hidden_size"] * 2 * codecs.RATIO[codec or header["codec"]]
-    return states + 4 + 1 + (4 if header["argmax"] else 0)
+    states = header.raw_bytes_per_token * codecs.RATIO[codec or header.codec]
+    return states + 4 + 1 + (4 if header.argmax else 0)
 
 
 def plan(cfg: RunConfig) -> Summary:
@@ -199,7 +205,7 @@ def plan(cfg: RunConfig) -> Summary:
     prep = prepare(cfg)
     loc = resolve(cfg.out)
     m = manifest_mod.read(loc)
-    if m.header is not None and (diff := manifest_mod.identity_diff(m.header, prep.header)):
+    if m.header is not None and (diff := m.header.identity_diff(prep.header)):
         raise CaptureError(f"{cfg.out} holds a run with a different {', '.join(diff)}; use another --out")
     manifest_mod.check_dataset(m, dataclasses.asdict(prep.dataset))
     summary = Summary(out=cfg.out)
@@ -210,15 +216,9 @@ def plan(cfg: RunConfig) -> Summary:
     summary.estimated_tokens = tokens
     summary.estimated_bytes = int(tokens * bytes_per_token(prep.header))
     summary.estimated_bytes_by_codec = {c: int(tokens * bytes_per_token(prep.header, c)) for c in codecs.CODECS}
-    if loc.local:  # an object store has no free space to speak of
-        existing = next(p for p in (Path(loc.path).resolve(), *Path(loc.path).resolve().parents) if p.exists())
-        summary.free_bytes = _free_bytes(str(existing))
-    summary.total_rows = sum(s["rows"] for s in m.shards)
+    summary.free_bytes = loc.free_bytes()  # None on an object store
+    summary.total_rows = m.rows
     return summary
-
-
-def _free_bytes(path: str) -> int:
-    return shutil.disk_usage(path).free
 
 
 def run(cfg: RunConfig) -> Summary:
@@ -230,50 +230,17 @@ def run(cfg: RunConfig) -> Summary:
     if cfg.dry_run:
         return plan(cfg)
 
-    from filelock import FileLock, Timeout
-
     started = time.time()
     prep = prepare(cfg)
     loc = resolve(cfg.out)
-    if not loc.local:
-        return _run_object_store(cfg, prep, started, loc)
-    cfg = dataclasses.replace(cfg, out=loc.path)  # a file:// URI: its path from here on
-    out = Path(cfg.out)
-    if out.is_dir() and not (out / manifest_mod.MANIFEST).exists() and any(p.name != manifest_mod.LOCK for p in out.iterdir()):
-        raise CaptureError(f"{cfg.out} is not empty and holds no capture run ({manifest_mod.MANIFEST}); "
-                           "give a new or empty folder")
-    if out.exists() and not out.is_dir():
+    if loc.kind() == pafs.FileType.File:
         raise CaptureError(f"--out {cfg.out} exists and is not a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(out / manifest_mod.LOCK)
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise CaptureError(f"another capture is writing to {cfg.out} (it holds {manifest_mod.LOCK}); wait for it or use another --out") from None
-    except OSError as e:
-        raise CaptureError(f"cannot write to --out {cfg.out}: {e.strerror}") from None
-    try:
+    if manifest_mod.read(loc).header is None and [e for e in loc.entries() if e != LOCK]:
+        raise CaptureError(f"{cfg.out} is not empty and holds no capture run ({loc.manifest_name}); "
+                           "give a new or empty folder")
+    busy = f"another capture is writing to {cfg.out} (it holds {LOCK}); wait for it or use another --out"
+    with loc.lock(busy=busy):
         return _run_locked(cfg, prep, started, loc)
-    finally:
-        lock.release()
-
-
-def _run_object_store(cfg: RunConfig, prep: Prepared, started: float, loc: Location) -> Summary:
-    """:func:`run` on an object store: the run is marked by its advisory lock object for its duration."""
-    if manifest_mod.read(loc).header is None and (loc.names() or loc.names(manifest_mod.MANIFEST_DIR)):
-        raise CaptureError(f"{cfg.out} is not empty and holds no capture run ({manifest_mod.MANIFEST_DIR}/); "
-                           "give a new or empty prefix")
-    try:
-        manifest_mod.lock_object(loc)
-    except OSError as e:
-        raise CaptureError(f"cannot write to --out {cfg.out}: {e}") from None
-    try:
-        return _run_locked(cfg, prep, started, loc)
-    finally:
-        try:
-            loc.delete(manifest_mod.LOCK)
-        except OSError as e:  # the store fails: the run's own outcome is what to report
-            log.warning("cannot remove %s: %s; delete it before the next run", loc.join(manifest_mod.LOCK), e)
 
 
 def _run_locked(cfg: RunConfig, prep: Prepared, started: float, loc: Location) -> Summary:
@@ -308,8 +275,9 @@ def _run_on_ray(cfg: RunConfig, prep: Prepared, started: float, loc: Location) -
     if garbage:
         log.warning("%s: %d uncommitted file(s) from an interrupted run are ignored (removed when this run completes)",
                     cfg.out, len(garbage))
-    if loc.local and _free_bytes(cfg.out) < cfg.disk_reserve:
-        raise CaptureError(f"only {_free_bytes(cfg.out) / 2**20:.0f} MiB free at {cfg.out}; free some space first")
+    free = loc.free_bytes()  # None on an object store
+    if free is not None and free < cfg.disk_reserve:
+        raise CaptureError(f"only {free / 2**20:.0f} MiB free at {cfg.out}; free some space first")
     try:
         record = provenance.start(loc, header=prep.header, model_dir=prep.model_dir,
                                   dataset=dataclasses.asdict(prep.dataset), filters=_filter_settings(cfg),
@@ -320,11 +288,10 @@ def _run_on_ray(cfg: RunConfig, prep: Prepared, started: float, loc: Location) -
     seen = manifest.token_hashes() if cfg.filters.dedup else set()
     per_token = bytes_per_token(prep.header)
 
-    # a vLLM replica on a GPU cluster holds its TP group's GPUs (Ray sets CUDA_VISIBLE_DEVICES for it)
-    gpus = cfg.tp if prep.engine.name == "vllm" and ray.cluster_resources().get("GPU", 0) else 0
+    # a GPU engine's replica on a GPU cluster holds its TP group's GPUs (Ray sets CUDA_VISIBLE_DEVICES for it)
+    gpus = cfg.tp if prep.engine.capabilities.gpus_per_tp_rank and ray.cluster_resources().get("GPU", 0) else 0
     actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus)(_replica_class())
-
-    out = str(Path(cfg.out).resolve()) if loc.local else cfg.out  # a replica resolves the URI itself
+    out = loc.absolute()  # a replica is another process, maybe in another folder
 
     def make_actor():
         return actor_cls.remote(prep.model_dir, prep.taps, prep.header, out,
@@ -359,8 +326,9 @@ def _run_on_ray(cfg: RunConfig, prep: Prepared, started: float, loc: Location) -
                            unit_timeout=cfg.unit_timeout, max_attempts=cfg.max_unit_attempts)
         for unit in _units(_records(cfg, prep, summary, manifest.sample_ids(), seen), cfg.unit_tokens):
             need = sum(r.num_tokens for r in unit) * per_token * (cfg.replicas + 1) + cfg.disk_reserve
-            if loc.local and _free_bytes(cfg.out) < need:
-                stop = f"only {_free_bytes(cfg.out) / 2**20:.0f} MiB free at {cfg.out}, the next unit needs ~{need / 2**20:.0f} MiB"
+            free = loc.free_bytes()
+            if free is not None and free < need:
+                stop = f"only {free / 2**20:.0f} MiB free at {cfg.out}, the next unit needs ~{need / 2**20:.0f} MiB"
                 break
             pool.submit(unit)
         pool.finish()
@@ -375,8 +343,8 @@ def _run_on_ray(cfg: RunConfig, prep: Prepared, started: float, loc: Location) -
             summary.quarantined = dict(pool.quarantined)
     summary.rejected = dict(rejected)
     manifest_now = manifest_mod.read(loc)
-    summary.total_rows = sum(s["rows"] for s in manifest_now.shards)
-    summary.total_tokens = sum(s["tokens"] for s in manifest_now.shards)
+    summary.total_rows = manifest_now.rows
+    summary.total_tokens = manifest_now.tokens
     summary.seconds = round(time.time() - started, 2)
     ended = time.time()
     if stop:

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from capture.chat import Prompt, Tokenized
+from capture.records import Prompt, Tokenized
 from capture.engines.base import Sampling
 
 MODES = ("dataset", "regenerate")

@@ -30,14 +30,16 @@ from typing import Sequence
 
 import torch
 
-from capture.chat import Prompt, Tokenized
+from capture.records import Prompt, Tokenized
 from capture.engines import EngineSpec, load_engine
 from capture.engines.base import Captured
 from capture.regenerate import regenerate, sampling_of
 from capture.targets import Taps
 from filters import FilterConfig, apply_filters
-from shards.format import schema
-from shards.writer import Row, ShardInfo, ShardWriter
+from shards.format import RunHeader, schema
+from shards.rows import Row
+from shards.run import Location
+from shards.writer import ShardInfo, ShardWriter
 
 
 @dataclasses.dataclass
@@ -82,21 +84,22 @@ def to_row(rec: Tokenized, cap: Captured, hidden_size: int) -> Row | str:
 
 
 class Replica:
-    """Engine + shard writer. ``header`` is the run header (shards.format.header); ``filters`` are applied
-    to regenerated records after generation (dedup excepted: the driver dedups prompts)."""
+    """Engine + shard writer for the run at ``out`` (a Location or a path/URI). ``header`` is the run
+    header; ``filters`` are applied to regenerated records after generation (dedup excepted: the driver
+    dedups prompts)."""
 
-    def __init__(self, model_dir: str, taps: Taps, header: dict, out_dir: str, *, shard_size: int,
+    def __init__(self, model_dir: str, taps: Taps, header: RunHeader, out: Location | str, *, shard_size: int,
                  batch_tokens: int, threads: int | None = None, codec_threads: int = 2,
                  engine: EngineSpec = EngineSpec("hf"), filters: FilterConfig | None = None):
-        self._load = lambda: load_engine(engine, model_dir, taps, argmax=header["argmax"], dtype=header["dtype"],
+        self._load = lambda: load_engine(engine, model_dir, taps, argmax=header.argmax, dtype=header.dtype,
                                          threads=threads)
         self.engine = None  # loaded by start(): a Ray actor's constructor error loses its exception type
-        self.hidden_size = header["hidden_size"]
-        # vLLM schedules its own batches (max_num_batched_tokens): hand it the whole unit at once
-        self.batch_tokens = batch_tokens if engine.name == "hf" else None
-        self.responses = header.get("responses") or {"mode": "dataset"}
+        self.hidden_size = header.hidden_size
+        # an engine that schedules its own batches (vLLM's max_num_batched_tokens) gets the whole unit at once
+        self.batch_tokens = None if engine.capabilities.own_batching else batch_tokens
+        self.responses = header.responses
         self.filters = dataclasses.replace(filters or FilterConfig(), dedup=False)
-        self.writer = ShardWriter(out_dir, schema(header), shard_size, threads=codec_threads)
+        self.writer = ShardWriter(out, schema(header), shard_size, threads=codec_threads)
         self._queue: queue.Queue = queue.Queue(maxsize=2)
         self._closed: queue.SimpleQueue[ShardInfo] = queue.SimpleQueue()  # writer thread → caller
         self._error: BaseException | None = None

@@ -22,6 +22,7 @@ import os
 from typing import Iterable, Iterator
 
 from capture.errors import CaptureError
+from shards.format import RunHeader
 from shards.pack import collate
 from shards.stream import ShardStream, in_split
 
@@ -33,12 +34,12 @@ def heldout(sample_id: str, fraction: float) -> bool:
     return in_split(sample_id, "heldout", fraction)
 
 
-def tap_columns(header: dict) -> list[str]:
+def tap_columns(header: RunHeader) -> list[str]:
     """The ``tap_<k>`` columns of a run header, in header order (the order ``taps`` stacks them)."""
-    return [c for c in header["columns"] if c.startswith("tap_")]
+    return list(header.tap_columns)
 
 
-def run_header(run_dir: str | os.PathLike) -> dict:
+def run_header(run_dir: str | os.PathLike) -> RunHeader:
     """The run header of ``run_dir``. Raises CaptureError when the folder holds no run, or a run stored
     without ``argmax`` (the drafter's labels and the offline score need it)."""
     from shards import manifest
@@ -46,7 +47,7 @@ def run_header(run_dir: str | os.PathLike) -> dict:
     head = manifest.read(run_dir).header
     if head is None:
         raise CaptureError(f"{run_dir} holds no capture run (no manifest.jsonl header)")
-    if not head.get("argmax"):
+    if not head.argmax:
         raise CaptureError(f"{run_dir} was captured with --no-argmax; the offline score (and the default labels) "
                            "need the target's greedy tokens, even when training uses --labels dataset")
     if not tap_columns(head):

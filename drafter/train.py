@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from capture.errors import CaptureError
+from shards.format import RunHeader
+from shards.run import as_location
 from drafter import blocks, data, metrics
 from drafter.config import TrainConfig
 from drafter.model import Drafter, ModelConfig, load_target_head
@@ -36,7 +38,7 @@ METRICS = "metrics.jsonl"
 class Data:
     """A run's train and held-out splits as packed batches, with what a drafter needs besides."""
 
-    header: dict
+    header: RunHeader
     train: dict
     heldout: dict
     target_dir: Path
@@ -47,10 +49,9 @@ class Data:
 def default_target_dir(run_dir: str | os.PathLike) -> Path:
     """The model folder the run was captured with (``provenance.json``'s ``model_dir``). Raises
     CaptureError when it is not recorded or no longer exists (pass ``target_dir`` then)."""
-    path = Path(run_dir) / "provenance.json"
     try:
-        model_dir = json.loads(path.read_text()).get("model_dir")
-    except (OSError, ValueError):
+        model_dir = json.loads(as_location(str(run_dir)).read_bytes("provenance.json")).get("model_dir")
+    except (OSError, ValueError, CaptureError):
         model_dir = None
     if not model_dir or not Path(model_dir).is_dir():
         raise CaptureError(f"{run_dir}: no usable model_dir in provenance.json; pass --target-dir")
@@ -69,8 +70,8 @@ def load_data(run: str, heldout_fraction: float, target_dir: str | None = None) 
         raise CaptureError(f"{run}: {len(train)} train and {len(held)} held-out conversations at "
                            f"heldout_fraction {heldout_fraction}; both splits need at least one")
     embed, lm_head = load_target_head(tdir)
-    if embed.shape[1] != header["hidden_size"]:
-        raise CaptureError(f"{tdir}: hidden size {embed.shape[1]} but the run stores {header['hidden_size']}")
+    if embed.shape[1] != header.hidden_size:
+        raise CaptureError(f"{tdir}: hidden size {embed.shape[1]} but the run stores {header.hidden_size}")
     return Data(header, data.pack(train), data.pack(held), tdir, embed, lm_head)
 
 
@@ -82,7 +83,7 @@ def tensor_sha256(t: torch.Tensor) -> str:
 def build_model(cfg: TrainConfig, d: Data) -> Drafter:
     """A freshly initialized drafter (``torch.manual_seed(cfg.seed)`` first, so the same seed gives the
     same weights). Its vocabulary is the train split's labels or the full one (``cfg.head_vocab``)."""
-    mcfg = ModelConfig(num_taps=len(data.tap_columns(d.header)), hidden_size=d.header["hidden_size"],
+    mcfg = ModelConfig(num_taps=len(data.tap_columns(d.header)), hidden_size=d.header.hidden_size,
                        vocab_size=d.embed.shape[0], d_model=cfg.d_model, n_layers=cfg.n_layers,
                        n_heads=cfg.n_heads, block_size=cfg.block_size, context=cfg.context)
     vocab = None
@@ -230,7 +231,7 @@ def save_checkpoint(model: Drafter, cfg: TrainConfig, d: Data, out: str | os.Pat
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / CHECKPOINT))
     meta = {"train": dataclasses.asdict(cfg), "model": dataclasses.asdict(model.cfg),
-            "taps": data.tap_columns(d.header), "target": d.header["target"],
+            "taps": data.tap_columns(d.header), "target": d.header.target,
             "target_dir": str(d.target_dir), "embed_sha256": tensor_sha256(d.embed),
             "lm_head_sha256": tensor_sha256(d.lm_head)}
     (out / CONFIG).write_text(json.dumps(meta, indent=1) + "\n")
@@ -266,8 +267,8 @@ def evaluate_checkpoint(path: str | os.PathLike, run: str, split: str = "heldout
     the checkpoint's."""
     model, meta = load_checkpoint(path, target_dir)
     header = data.run_header(run)
-    if data.tap_columns(header) != meta["taps"] or header["hidden_size"] != model.cfg.hidden_size:
-        raise CaptureError(f"{run} stores {data.tap_columns(header)} (hidden {header['hidden_size']}); "
+    if data.tap_columns(header) != meta["taps"] or header.hidden_size != model.cfg.hidden_size:
+        raise CaptureError(f"{run} stores {data.tap_columns(header)} (hidden {header.hidden_size}); "
                            f"the drafter was trained on {meta['taps']} (hidden {model.cfg.hidden_size})")
     fraction = meta["train"]["heldout_fraction"] if heldout_fraction is None else heldout_fraction
     samples = list(data.load_samples(run, split, fraction))

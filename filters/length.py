@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from capture.chat import Prompt, Tokenized
+from capture.records import Prompt, Tokenized
 
 
 @dataclasses.dataclass(frozen=True)

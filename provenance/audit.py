@@ -44,10 +44,10 @@ import json
 import logging
 import os
 import re
+from typing import Iterator
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 
 from capture.chat import ChatEncoder, load_encoder, tokenizer_sha256
 from capture.data import Conversation, iter_conversations, ReadStats, resolve_dataset
@@ -56,7 +56,9 @@ from provenance import reference as ref_index
 from provenance.record import PROVENANCE
 from provenance.record import read as read_provenance
 from shards import manifest as manifest_mod
-from shards.reader import read_table
+from shards.format import RunHeader
+from shards.rows import Row, read_row
+from shards.run import Location, as_location
 
 log = logging.getLogger(__name__)
 
@@ -108,16 +110,7 @@ class Report:
         return self.categories["unmatched"]["rows"] == 0
 
 
-@dataclasses.dataclass
-class _Row:
-    sample_id: str
-    source: str
-    ids: np.ndarray
-    mask: np.ndarray
-    argmax: np.ndarray | None
-
-
-def audit(run_dir: str | os.PathLike, reference: str, *, source_column: str = "source", split: str = "train",
+def audit(run_dir: str | os.PathLike | Location, reference: str, *, source_column: str = "source", split: str = "train",
           model_path: str | None = None, max_diagnoses: int = 1000, progress: bool = False) -> Report:
     """Audit ``run_dir`` against ``reference`` (a dataset spec as ``capture run --dataset`` takes).
 
@@ -125,18 +118,16 @@ def audit(run_dir: str | os.PathLike, reference: str, *, source_column: str = "s
     Raises CaptureError when ``run_dir`` holds no run, the tokenizer cannot be found or differs from the
     run's (hash), or the reference cannot be read.
     """
-    if "://" in str(run_dir):
-        raise CaptureError(f"capture audit reads local run folders only; copy {run_dir} to a local folder first")
-    run_dir = Path(run_dir)
-    manifest = manifest_mod.read(run_dir)
+    loc = as_location(run_dir)
+    manifest = manifest_mod.read(loc)
     if manifest.header is None:
-        raise CaptureError(f"{run_dir} holds no capture run ({manifest_mod.MANIFEST} with a header)")
+        raise CaptureError(f"{run_dir} holds no capture run ({loc.manifest_name} with a header)")
     header = manifest.header
-    prov = read_provenance(run_dir) if (run_dir / PROVENANCE).exists() else {}
+    prov = read_provenance(loc) if loc.exists(PROVENANCE) else {}
     filters = prov.get("filters") or {}
     encoder = _encoder(header, prov, model_path, filters)
-    shards = [run_dir / s["path"] for s in manifest.shards]
-    lengths = _truncation_lengths(shards, filters)
+    shards = [s["path"] for s in manifest.shards]
+    lengths = _truncation_lengths(loc, shards, filters)
     ref = resolve_dataset(reference, split)
     alternation = filters.get("alternation", "normalize")
 
@@ -147,7 +138,7 @@ def audit(run_dir: str | os.PathLike, reference: str, *, source_column: str = "s
         raise CaptureError(f"reference {reference} has no rows")
     if source_column != "source" and index.sources == [ref.name]:
         raise CaptureError(f"no row of reference {reference} has a string column {source_column!r}")
-    regenerated_run = (header.get("responses") or {}).get("mode") == "regenerate"
+    regenerated_run = header.mode == "regenerate"
     first_token = int(encoder.encode(Conversation("probe:0", 0, "probe", (("user", "Hi"), ("assistant", "Hello"))))
                       .input_ids[0])
     captured = np.zeros(len(index.row_source), dtype=bool)
@@ -160,12 +151,12 @@ def audit(run_dir: str | os.PathLike, reference: str, *, source_column: str = "s
 
     with _bar(progress, "match captured", "row") as bar:
         for shard in shards:
-            for i, row in enumerate(_rows(shard, header)):
+            for i, row in enumerate(_rows(loc, shard)):
                 bar.update()
-                n, k = len(row.ids), int(row.mask.sum())
+                n, k = len(row.input_ids), int(row.loss_mask.sum())
                 totals.update(rows=1, tokens=n, loss_tokens=k)
-                cuts = ref_index.cut_points(row.mask)
-                keys = ref_index.prefix_keys(row.ids, cuts)
+                cuts = ref_index.cut_points(row.loss_mask)
+                keys = ref_index.prefix_keys(row.input_ids, cuts)
                 category, matched = _classify(row, keys, index, captured, regenerated_run)
                 if category is None:
                     category = _engine_category(row, encoder, first_token)
@@ -173,16 +164,16 @@ def audit(run_dir: str | os.PathLike, reference: str, *, source_column: str = "s
                 if matched is not None:
                     captured[matched] = True
                     src = index.sources[index.row_source[matched]]
-                    g_pos, g_agree = greedy_counts(row.ids, row.mask, row.argmax)
+                    g_pos, g_agree = greedy_counts(row.input_ids, row.loss_mask, row.argmax)
                     per_source[src].update({"rows": 1, "tokens": n, "loss_tokens": k, category: 1,
                                             "greedy_positions": g_pos, "greedy_agree": g_agree})
                 elif category in engine_rows:
                     engine_rows[category].append(row.sample_id)
                 elif len(pending) < max_diagnoses:
-                    d = Diagnosis(row.sample_id, shard.name, i, n)
+                    d = Diagnosis(row.sample_id, shard, i, n)
                     d.nearest_row = next((r for c in sorted(keys, reverse=True)
                                           if (r := index.prefix(keys[c])) is not None), None)
-                    pending.append((d, row.ids))
+                    pending.append((d, row.input_ids))
                 else:
                     undiagnosed += 1
     _diagnose(pending, ref, encoder, alternation, source_column, index)
@@ -211,7 +202,7 @@ def audit(run_dir: str | os.PathLike, reference: str, *, source_column: str = "s
         categories={c: {k: cats[c][k] for k in ("rows", "tokens", "loss_tokens")} for c in CATEGORIES},
         sources=sources,
         coverage=coverage,
-        greedy=_greedy(g_pos, g_agree) if header.get("argmax") else {"greedy_positions": 0, "greedy_agree": 0,
+        greedy=_greedy(g_pos, g_agree) if header.argmax else {"greedy_positions": 0, "greedy_agree": 0,
                                                                      "greedy_agreement": None},
         engine_rows=engine_rows,
         unmatched=[dataclasses.asdict(d) for d, _ in pending],
@@ -235,10 +226,10 @@ def _greedy(positions: int, agree: int) -> dict:
             "greedy_agreement": round(agree / positions, 4) if positions else None}
 
 
-def _classify(row: _Row, keys: dict[int, int], index: ref_index.ReferenceIndex, captured: np.ndarray,
+def _classify(row: Row, keys: dict[int, int], index: ref_index.ReferenceIndex, captured: np.ndarray,
               regenerated_run: bool) -> tuple[str | None, int | None]:
     """``(category, reference row)`` for the matched categories, ``(None, None)`` otherwise."""
-    n = len(row.ids)
+    n = len(row.input_ids)
     if n == 0:
         return None, None
     rows = index.whole(keys[n])
@@ -248,7 +239,7 @@ def _classify(row: _Row, keys: dict[int, int], index: ref_index.ReferenceIndex, 
     r = index.prefix(keys[n])
     if r is not None:
         return "truncated", r
-    sup = np.flatnonzero(row.mask)
+    sup = np.flatnonzero(row.loss_mask)
     if regenerated_run and len(sup) and int(sup[0]) in keys:
         r = index.prefix(keys[int(sup[0])])
         if r is not None:
@@ -256,16 +247,16 @@ def _classify(row: _Row, keys: dict[int, int], index: ref_index.ReferenceIndex, 
     return None, None
 
 
-def _engine_category(row: _Row, encoder: ChatEncoder, first_token: int) -> str:
+def _engine_category(row: Row, encoder: ChatEncoder, first_token: int) -> str:
     """``engine_health_check``, ``engine_random_tokens`` or ``unmatched`` for a row matching nothing."""
     tok = encoder.tokenizer
-    sup = np.flatnonzero(row.mask)
-    prompt = row.ids[: int(sup[0])] if len(sup) else row.ids
+    sup = np.flatnonzero(row.loss_mask)
+    prompt = row.input_ids[: int(sup[0])] if len(sup) else row.input_ids
     if len(prompt) <= HEALTH_CHECK_MAX_TOKENS and HEALTH_CHECK.search(tok.decode(prompt, skip_special_tokens=True)):
         return "engine_health_check"
-    if len(row.ids) and int(row.ids[0]) != first_token:
-        again = tok(tok.decode(row.ids), add_special_tokens=False)["input_ids"]
-        if list(again) != row.ids.tolist():
+    if len(row.input_ids) and int(row.input_ids[0]) != first_token:
+        again = tok(tok.decode(row.input_ids), add_special_tokens=False)["input_ids"]
+        if list(again) != row.input_ids.tolist():
             return "engine_random_tokens"
     return "unmatched"
 
@@ -301,52 +292,43 @@ def _diagnose(pending: list[tuple[Diagnosis, np.ndarray]], ref, encoder: ChatEnc
             break
 
 
-def _rows(shard: Path, header: dict):
-    """The captured rows of one shard, ids/mask/argmax as numpy views of the Arrow buffers."""
-    cols = ["sample_id", "source", "input_ids", "loss_mask"] + (["argmax"] if header.get("argmax") else [])
-    t = read_table(shard, cols).combine_chunks()
-    ids, mask = _lists(t["input_ids"], np.int32), _lists(t["loss_mask"], bool)
-    argmax = _lists(t["argmax"], np.int32) if header.get("argmax") else None
-    for i, (sid, src) in enumerate(zip(t["sample_id"].to_pylist(), t["source"].to_pylist())):
-        yield _Row(sid, src, ids[i], mask[i], argmax[i] if argmax is not None else None)
+def _rows(loc: Location, shard: str) -> Iterator[Row]:
+    """The captured rows of one shard (:func:`shards.rows.read_row`), states not decoded."""
+    table = loc.read_table(shard)
+    for i in range(table.num_rows):
+        yield read_row(table, i, states=[])
 
 
-def _lists(column: pa.ChunkedArray, dtype) -> list[np.ndarray]:
-    arr = column.chunk(0) if column.num_chunks else pa.array([], column.type)
-    values = arr.values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
-    offsets = arr.offsets.to_numpy()
-    return [values[offsets[i] : offsets[i + 1]] for i in range(len(arr))]
-
-
-def _truncation_lengths(shards: list[Path], filters: dict) -> list[int]:
+def _truncation_lengths(loc: Location, shards: list[str], filters: dict) -> list[int]:
     """Lengths a run may have cut rows to: ``--max-tokens`` under ``--overlength truncate``, and the
     longest captured row (rows cut to the model's context are the longest)."""
     out = set()
     if filters.get("overlength") == "truncate" and filters.get("max_tokens"):
         out.add(int(filters["max_tokens"]))
-    longest = max((max(read_table(p, ["num_tokens"])["num_tokens"].to_pylist(), default=0) for p in shards), default=0)
+    longest = max((max(loc.read_table(p, ["num_tokens"])["num_tokens"].to_pylist(), default=0) for p in shards),
+                  default=0)
     if longest:
         out.add(longest)
     return sorted(out)
 
 
-def _encoder(header: dict, prov: dict, model_path: str | None, filters: dict) -> ChatEncoder:
+def _encoder(header: RunHeader, prov: dict, model_path: str | None, filters: dict) -> ChatEncoder:
     model_dir = model_path or prov.get("model_dir")
     if not model_dir:
         raise CaptureError("the run has no provenance.json naming its model folder; pass --model-path")
     if not Path(model_dir).is_dir():
         raise CaptureError(f"model folder {model_dir} does not exist; pass --model-path (the run's tokenizer)")
-    kwargs = tuple(sorted(((header.get("responses") or {}).get("chat_template_kwargs") or {}).items()))
+    kwargs = tuple(sorted((header.responses.get("chat_template_kwargs") or {}).items()))
     try:
         enc = load_encoder(str(model_dir), template_kwargs=kwargs)
     except (OSError, ValueError) as e:
         raise CaptureError(f"cannot load a tokenizer from {model_dir}: {' '.join(str(e).split())[:160]}; "
                            "pass --model-path with the run's model folder") from None
     found = tokenizer_sha256(enc.tokenizer)
-    if found != header["tokenizer_sha256"]:
+    if found != header.tokenizer_sha256:
         raise CaptureError(f"the tokenizer in {model_dir} (sha256 {found[:12]}) is not the run's "
-                           f"({header['tokenizer_sha256'][:12]}); pass --model-path with the run's tokenizer")
-    return dataclasses.replace(enc, template=header["chat_template"], system_prompt=filters.get("system_prompt"),
+                           f"({header.tokenizer_sha256[:12]}); pass --model-path with the run's tokenizer")
+    return dataclasses.replace(enc, template=header.chat_template, system_prompt=filters.get("system_prompt"),
                                special_text=filters.get("special_text", "drop"))
 
 

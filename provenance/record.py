@@ -13,7 +13,7 @@ extension) appends one entry to ``invocations`` (start, end, status, rows read, 
 that differs from the top level in a later invocation (dataset, filters, engine, code, weights) is
 recorded in that entry under ``differs``. The file is written atomically (temporary file, fsync, rename,
 folder fsync) at the start of an invocation (its ``end_time`` null) and rewritten at its end; on an
-object store (see :mod:`shards.fs`) it is written whole as one object, which replaces the old one at once.
+object store (see :mod:`shards.run`) it is written whole as one object, which replaces the old one at once.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from pathlib import Path
 from capture.errors import CaptureError
 from capture.targets import gguf_path
 from capture.hashing import sha256_file_once
-from shards.fs import Location, as_location
+from shards.format import RunHeader
+from shards.run import Location, as_location
 
 log = logging.getLogger(__name__)
 
@@ -102,13 +103,13 @@ def read(run_dir: str | os.PathLike | Location) -> dict:
     """The parsed ``provenance.json`` of ``run_dir``. Raises CaptureError when it is missing, not JSON,
     or lacks a required field."""
     loc = as_location(run_dir)
-    path = Path(loc.path) / PROVENANCE if loc.local else loc.join(PROVENANCE)
+    path = loc.join(PROVENANCE)
     try:
-        data = json.loads(path.read_text() if loc.local else loc.read_bytes(PROVENANCE))
+        data = json.loads(loc.read_bytes(PROVENANCE))
     except FileNotFoundError:
         raise CaptureError(f"{loc.path}: no {PROVENANCE}") from None
     except OSError as e:
-        raise CaptureError(f"cannot read {path}: {e.strerror}") from None
+        raise CaptureError(f"cannot read {path}: {e.strerror or e}") from None
     except ValueError as e:
         raise CaptureError(f"{path} is not valid JSON: {e}") from None
     missing = [k for k in REQUIRED if not isinstance(data, dict) or k not in data]
@@ -118,27 +119,11 @@ def read(run_dir: str | os.PathLike | Location) -> dict:
 
 
 def write(run_dir: str | os.PathLike | Location, data: dict) -> None:
-    """Replace ``run_dir/provenance.json`` atomically: temporary file, fsync, rename, folder fsync (object
-    store: one whole object)."""
-    loc = as_location(run_dir)
-    if not loc.local:
-        loc.write_bytes(PROVENANCE, json.dumps(data, indent=1, sort_keys=True).encode() + b"\n")
-        return
-    run_dir = Path(loc.path)
-    tmp = run_dir / f".{PROVENANCE}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(json.dumps(data, indent=1, sort_keys=True).encode() + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, run_dir / PROVENANCE)
-    fd = os.open(run_dir, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Replace ``run_dir/provenance.json`` atomically (:meth:`shards.run.Location.write_bytes`)."""
+    as_location(run_dir).write_bytes(PROVENANCE, json.dumps(data, indent=1, sort_keys=True).encode() + b"\n")
 
 
-def start(run_dir: str | os.PathLike | Location, *, header: dict, model_dir: str, dataset: dict, filters: dict,
+def start(run_dir: str | os.PathLike | Location, *, header: RunHeader, model_dir: str, dataset: dict, filters: dict,
           started: float) -> dict:
     """Record the start of an invocation (``started``: seconds since the epoch) and write the file.
 
@@ -147,13 +132,13 @@ def start(run_dir: str | os.PathLike | Location, *, header: dict, model_dir: str
     Raises CaptureError when a weight file cannot be read or an existing record is invalid.
     """
     current = {"model_dir": str(Path(model_dir).resolve()),
-               "weights": hash_weights(model_dir, (header.get("target") or {}).get("source")),
-               "engine": {**(header.get("engine") or {}), "version": header.get("engine_version")},
+               "weights": hash_weights(model_dir, header.target.get("source")),
+               "engine": {**header.engine, "version": header.engine_version},
                "code": code_version(), "dataset": dataset, "filters": filters}
     invocation = {"start_time": utc_now(started), "end_time": None, "status": "running", "rows_read": None,
                   "rows_committed": 0, "shards_committed": 0}
     loc = as_location(run_dir)
-    if (Path(loc.path) / PROVENANCE).exists() if loc.local else loc.exists(PROVENANCE):
+    if loc.exists(PROVENANCE):
         data = read(run_dir)
         differs = {k: v for k, v in current.items() if data.get(k) != v}
         if "weights" in differs:
@@ -166,12 +151,12 @@ def start(run_dir: str | os.PathLike | Location, *, header: dict, model_dir: str
     else:
         data = {
             "format_version": FORMAT_VERSION,
-            "target": {k: header["target"][k] for k in ("name", "source", "revision", "architecture")},
+            "target": {k: header.target[k] for k in ("name", "source", "revision", "architecture")},
             **current,
-            "tokenizer_sha256": header["tokenizer_sha256"],
-            "chat_template_sha256": header["chat_template_sha256"],
-            "taps": header["taps"],
-            "responses": header["responses"],
+            "tokenizer_sha256": header.tokenizer_sha256,
+            "chat_template_sha256": header.chat_template_sha256,
+            "taps": header.taps,
+            "responses": header.responses,
             "rows_read": None,
             "start_time": invocation["start_time"],
             "end_time": None,

@@ -2,7 +2,7 @@
 
 Checked: every weight file of ``provenance.json`` (size and SHA-256), the chat template's SHA-256 against
 the template text of the run header, the tokenizer's SHA-256 against the tokenizer in the model folder, and every shard the manifest names (size and SHA-256, with
-:func:`shards.verify.check_file`, the check ``capture shards verify`` starts with). The shards' contents
+:meth:`shards.run.Location.check_file`, the check ``capture shards verify`` starts with). The shards' contents
 (rows, schema, decoding) are ``capture shards verify``'s job.
 """
 
@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 
 from capture.errors import CaptureError
 from capture.hashing import text_sha256
 from provenance.record import read
 from shards import manifest as manifest_mod
-from shards.verify import FileMismatch, check_file
+from shards.run import MANIFEST, FileMismatch, Location, as_location, check_file
 
 
 @dataclasses.dataclass
@@ -34,16 +33,17 @@ class Report:
         return not self.mismatches
 
 
-def verify(run_dir: str | os.PathLike) -> Report:
-    """Recheck ``run_dir``. Mismatches are listed, never raised. Raises CaptureError when ``run_dir`` holds
-    no run (no manifest with a header) or its ``provenance.json`` is missing or invalid."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
+def verify(run_dir: str | os.PathLike | Location) -> Report:
+    """Recheck ``run_dir`` (a path, a URI or a Location). Mismatches are listed, never raised. Raises
+    CaptureError when ``run_dir`` holds no run (no manifest with a header) or its ``provenance.json`` is
+    missing or invalid."""
+    loc = as_location(run_dir)
+    if not loc.is_folder():
         raise CaptureError(f"{run_dir} is not a folder")
-    manifest = manifest_mod.read(run_dir)
+    manifest = manifest_mod.read(loc)
     if manifest.header is None:
-        raise CaptureError(f"{run_dir} holds no capture run ({manifest_mod.MANIFEST} with a header)")
-    data = read(run_dir)
+        raise CaptureError(f"{run_dir} holds no capture run ({loc.manifest_name} with a header)")
+    data = read(loc)
     report = Report()
 
     def add(kind: str, bad: FileMismatch | None) -> None:
@@ -53,9 +53,9 @@ def verify(run_dir: str | os.PathLike) -> Report:
     for w in data["weights"]:
         report.weights += 1
         add("weight", check_file(w["path"], w["bytes"], w["sha256"]))
-    template = manifest.header.get("chat_template")
-    if template is not None and text_sha256(template) != data["chat_template_sha256"]:
-        add("chat_template", FileMismatch(str(run_dir / manifest_mod.MANIFEST), "chat_template_sha256",
+    template = manifest.header.chat_template
+    if text_sha256(template) != data["chat_template_sha256"]:
+        add("chat_template", FileMismatch(loc.join(MANIFEST), "chat_template_sha256",
                                           data["chat_template_sha256"], text_sha256(template)))
     if data.get("model_dir"):
         report.tokenizer = True
@@ -64,7 +64,7 @@ def verify(run_dir: str | os.PathLike) -> Report:
             add("tokenizer", FileMismatch(data["model_dir"], "tokenizer_sha256", data["tokenizer_sha256"], found))
     for entry in manifest.shards:
         report.shards += 1
-        add("shard", check_file(run_dir / entry["path"], entry["bytes"], entry["sha256"]))
+        add("shard", loc.check_file(entry["path"], entry["bytes"], entry["sha256"]))
     return report
 
 

@@ -31,30 +31,30 @@ import json
 import os
 from pathlib import Path
 
-import pyarrow.fs as pafs
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from capture.errors import CaptureError
+from shards.run import Location, as_location
 from shards.stream import ShardStream
 
 FORMATS = ("specforge", "speculators")
 SPECFORGE_GROUP = 2000  # SpecForge's file_group_size: data_{i} lives in rows_{g}-{g+2000}
 
 
-def export(run: str | os.PathLike, out: str | os.PathLike, fmt: str, *, split: str = "all",
-           heldout_fraction: float = 0.01, filesystem: pafs.FileSystem | None = None,
-           progress: bool = False) -> dict:
+def export(run: str | os.PathLike | Location, out: str | os.PathLike, fmt: str, *, split: str = "all",
+           heldout_fraction: float = 0.01, progress: bool = False) -> dict:
     """Write the run's samples (``split``: ``train``/``heldout``/``all``, see :func:`shards.stream.in_split`)
-    into ``out`` in format ``fmt`` (module docstring). Returns ``{"format", "samples", "tokens", "out"}``.
+    into the local folder ``out`` in format ``fmt`` (module docstring); ``run`` is a path, a URI or a Location. Returns ``{"format", "samples", "tokens", "out"}``.
 
     Raises CaptureError for an unknown format, a run without a final state, or an ``out`` that exists and
     is not empty (nothing is overwritten).
     """
     if fmt not in FORMATS:
         raise CaptureError(f"unknown export format {fmt!r}; one of {', '.join(FORMATS)}")
-    stream = ShardStream(run, filesystem=filesystem, split=split, heldout_fraction=heldout_fraction)
+    loc = as_location(run)
+    stream = ShardStream(loc, split=split, heldout_fraction=heldout_fraction)
     if stream.final_kind is None:
         raise CaptureError(f"{fmt} files need the final state, which run {run} did not store; "
                            "capture with --final post-norm")
@@ -63,7 +63,7 @@ def export(run: str | os.PathLike, out: str | os.PathLike, fmt: str, *, split: s
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CaptureError(f"{out} exists and is not empty; export into a new folder")
-    if filesystem is None and out.resolve().is_relative_to(Path(run).resolve()):
+    if loc.contains(out):
         raise CaptureError(f"{out} is inside the run folder {run}; export into a folder outside it")
     out.mkdir(parents=True, exist_ok=True)
 
@@ -91,8 +91,8 @@ def export(run: str | os.PathLike, out: str | os.PathLike, fmt: str, *, split: s
     layers = list(stream.taps_layers)
     record = {
         "format": fmt, "run": str(run), "split": split, "heldout_fraction": heldout_fraction,
-        "samples": len(ids), "tokens": tokens, "sample_ids": ids, "dtype": str(stream.header["dtype"]),
-        "hidden_size": stream.header["hidden_size"],
+        "samples": len(ids), "tokens": tokens, "sample_ids": ids, "dtype": stream.header.dtype,
+        "hidden_size": stream.header.hidden_size,
         "taps": [{"slot": i, "tap": k, "decoder_layer": k, "hf_hidden_states_index": k + 1, "vllm_aux_layer_id": k + 1}
                  for i, k in enumerate(layers)],
         "final": stream.final_kind,

@@ -1,4 +1,4 @@
-"""The shard format: zstd-compressed Arrow IPC stream files, one row per conversation.
+"""The shard format: zstd-compressed Arrow IPC stream files, one row per conversation, and the run header.
 
 Columns (schema first, in this order):
 
@@ -19,21 +19,23 @@ tap_<k>             large_binary                ``[T, H]`` states after decoder 
 final               large_binary                ``[T, H]`` final state (if stored), one encoded cell
 ==================  ==========================  ==================================================
 
-Each state cell is one ``[T, H]`` tensor encoded by the run's codec (:mod:`shards.codecs`: ``bf16``,
-``bf16-split``, ``fp8-e4m3``), self-contained and already compressed, so the IPC stream itself is
-written uncompressed (ids, mask and argmax are ~9 bytes a token next to kilobytes of states). Each state
-field's metadata records ``codec``, ``dtype`` (``bfloat16`` or ``float16``: some engines give fp16; the
-dtype a cell decodes to), ``shape`` and ``layer``. The schema metadata key
-``capture`` holds a JSON header (:func:`header`): format version, target, taps and conventions, hidden
-size, codec, chat template text and hash, tokenizer hash, and ``responses``: where the answers come from
-(``mode`` ``dataset`` or ``regenerate``; for regenerate the policy, sampling parameters and stop ids; the
-chat template kwargs). Readers refuse an unknown major version; 1.1 added ``finish_reasons`` and
-``responses`` (a 1.0 header without ``responses`` means dataset answers, no template kwargs).
+Each state cell is one ``[T, H]`` tensor encoded by the run's codec (:mod:`shards.codecs`),
+self-contained and already compressed, so the IPC stream itself is written uncompressed (ids, mask and
+argmax are ~9 bytes a token next to kilobytes of states). Each state field's metadata records ``codec``,
+``dtype`` (``bfloat16`` or ``float16``: some engines give fp16; the dtype a cell decodes to), ``shape``
+and ``layer``. The schema metadata key ``capture`` holds the run header as JSON (:class:`RunHeader`:
+format version, target, taps and conventions, hidden size, codec, chat template text and hash,
+tokenizer hash, where the answers come from, engine). Readers refuse an unknown major version; 1.1 added
+``finish_reasons`` and ``responses`` (a 1.0 header without ``responses`` means dataset answers, no
+template kwargs). Rows are written by :func:`shards.rows.record_batch` and read back by its inverse
+:func:`shards.rows.read_row`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from typing import Any
 
 import pyarrow as pa
 
@@ -43,14 +45,162 @@ from shards import codecs
 FORMAT_VERSION = "1.1"
 METADATA_KEY = b"capture"
 STATE_TYPE = pa.large_binary()
+TAP_PREFIX = "tap_"
+FINAL = "final"
+# What a header without a field means (headers written before the field existed).
+DATASET_RESPONSES = {"mode": "dataset", "chat_template_kwargs": {}}
+DEFAULT_ENGINE = {"name": "hf"}
+# Fields that must be equal for new shards to join an existing run (see shards.manifest).
+RUN_IDENTITY = ("target", "taps", "columns", "hidden_size", "dtype", "codec", "argmax", "chat_template_sha256",
+                "tokenizer_sha256", "responses", "engine")
 
 
 class FormatError(CaptureError):
     """A shard that this version cannot read, or that contradicts its manifest."""
 
 
-def schema(header: dict) -> pa.Schema:
-    """The Arrow schema for a run described by ``header`` (see :func:`header`)."""
+def tap_column(layer: int) -> str:
+    """The column holding tap ``layer`` (the output of 0-based decoder layer ``layer``): ``tap_<layer>``."""
+    return f"{TAP_PREFIX}{int(layer)}"
+
+
+def tap_layer(column: str) -> int | None:
+    """The decoder layer a ``tap_<k>`` column holds; None for any other column (e.g. ``final``)."""
+    return int(column[len(TAP_PREFIX):]) if column.startswith(TAP_PREFIX) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunHeader:
+    """The run header: stored in every shard's schema metadata and as the manifest's first line.
+
+    ``columns``: the state columns in order (``tap_<k>`` in tap order, then ``final`` if stored);
+    ``taps``: ``{"layers", "final", "tap_convention", "final_convention"}`` as :class:`capture.targets.Taps`
+    describes them; ``responses``: ``{"mode": "dataset"|"regenerate", ...}`` (see
+    :func:`capture.regenerate.responses_header`); ``engine``: ``{"name": ..., ...}`` as
+    :meth:`capture.engines.EngineSpec.describe` gives it. ``extra``: fields a newer minor version wrote,
+    kept as they are so that a copy (recode) loses nothing.
+    """
+
+    target: dict
+    taps: dict
+    columns: tuple[str, ...]
+    hidden_size: int
+    dtype: str
+    codec: str
+    argmax: bool
+    chat_template: str
+    chat_template_sha256: str
+    tokenizer_sha256: str
+    responses: dict = dataclasses.field(default_factory=lambda: dict(DATASET_RESPONSES))
+    engine: dict = dataclasses.field(default_factory=lambda: dict(DEFAULT_ENGINE))
+    engine_version: str | None = None
+    format_version: str = FORMAT_VERSION
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        codecs.check(self.codec)
+        object.__setattr__(self, "columns", tuple(self.columns))
+
+    # ------------------------------------------------------------ (de)serialization
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RunHeader":
+        """A header from its JSON object (a manifest line's ``kind`` key is ignored), old versions'
+        missing fields filled with what they meant. Raises FormatError for an unknown major version or a
+        missing field."""
+        check_version(str(data.get("format_version", "?")))
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise FormatError(f"run header lacks {', '.join(missing)}")
+        known = {k: v for k, v in data.items() if k in names}
+        extra = {k: v for k, v in data.items() if k not in names and k not in ("kind", "lossless")}
+        for key, default in (("responses", DATASET_RESPONSES), ("engine", DEFAULT_ENGINE)):
+            if known.get(key) is None:
+                known[key] = dict(default)
+        return cls(**known, extra=extra)
+
+    def to_dict(self) -> dict:
+        """The JSON object (``lossless`` added for readers of the raw JSON; ``engine_version`` only when known)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        out["columns"] = list(self.columns)
+        out["lossless"] = self.lossless
+        if self.engine_version is None:
+            del out["engine_version"]
+        return {**self.extra, **out}
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict(), sort_keys=True).encode()
+
+    def replace(self, **changes: Any) -> "RunHeader":
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------ what the columns mean
+
+    @property
+    def lossless(self) -> bool:
+        return codecs.LOSSLESS[self.codec]
+
+    @property
+    def tap_columns(self) -> tuple[str, ...]:
+        """The ``tap_<k>`` columns in header order."""
+        return tuple(c for c in self.columns if tap_layer(c) is not None)
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        """The tapped decoder layers in header order (tap k = output of 0-based decoder layer k)."""
+        return tuple(tap_layer(c) for c in self.tap_columns)
+
+    @property
+    def final_kind(self) -> str | None:
+        """``post-norm``/``pre-norm`` when the run stored the final state, else None."""
+        return self.taps.get("final") if FINAL in self.columns else None
+
+    def layer_of(self, column: str) -> str:
+        """The ``layer`` recorded in a state field's metadata: k for ``tap_k``, the final kind for ``final``."""
+        k = tap_layer(column)
+        return str(k) if k is not None else str(self.taps["final"])
+
+    @property
+    def mode(self) -> str:
+        """Where the answers come from: ``dataset`` or ``regenerate``."""
+        return self.responses.get("mode", "dataset")
+
+    @property
+    def raw_bytes_per_token(self) -> int:
+        """Bytes of the states of one token before coding (2 bytes a value: bf16 or fp16)."""
+        return len(self.columns) * self.hidden_size * 2
+
+    # ------------------------------------------------------------ run identity
+
+    def identity(self) -> dict:
+        """The fields that make a run one run (RUN_IDENTITY); a missing field means its default."""
+        d = self.to_dict()
+        return {k: d.get(k) for k in RUN_IDENTITY}
+
+    def identity_diff(self, other: "RunHeader") -> list[str]:
+        """Fields of RUN_IDENTITY on which two headers disagree."""
+        mine, theirs = self.identity(), other.identity()
+        return [k for k in RUN_IDENTITY if mine[k] != theirs[k]]
+
+
+def header(*, target: dict, taps: dict, columns: list[str], hidden_size: int, dtype: str, codec: str,
+           argmax: bool, chat_template: str, chat_template_sha256: str, tokenizer_sha256: str,
+           responses: dict | None = None, engine: dict | None = None, engine_version: str | None = None) -> RunHeader:
+    """A new run's header. ``responses``: see :func:`capture.regenerate.responses_header` (None: dataset
+    answers); ``engine``: :meth:`capture.engines.EngineSpec.describe` (None: hf). Raises CaptureError for
+    an unknown codec."""
+    return RunHeader(target=target, taps=taps, columns=tuple(columns), hidden_size=hidden_size, dtype=dtype,
+                     codec=codec, argmax=argmax, chat_template=chat_template,
+                     chat_template_sha256=chat_template_sha256, tokenizer_sha256=tokenizer_sha256,
+                     responses=responses or dict(DATASET_RESPONSES), engine=engine or dict(DEFAULT_ENGINE),
+                     engine_version=engine_version)
+
+
+def schema(head: RunHeader) -> pa.Schema:
+    """The Arrow schema for a run described by ``head``."""
     fields = [
         pa.field("sample_id", pa.string(), nullable=False),
         pa.field("source", pa.string(), nullable=False),
@@ -58,7 +208,7 @@ def schema(header: dict) -> pa.Schema:
         pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
         pa.field("loss_mask", pa.list_(pa.bool_()), nullable=False),
     ]
-    if header["argmax"]:
+    if head.argmax:
         fields.append(pa.field("argmax", pa.list_(pa.int32()), nullable=False))
     fields += [
         pa.field("num_tokens", pa.int32(), nullable=False),
@@ -66,48 +216,23 @@ def schema(header: dict) -> pa.Schema:
         pa.field("token_sha256", pa.string(), nullable=False),
         pa.field("finish_reasons", pa.list_(pa.string()), nullable=True),
     ]
-    for column in header["columns"]:
-        layer = column.removeprefix("tap_") if column.startswith("tap_") else header["taps"]["final"]
-        meta = {"codec": header["codec"], "dtype": header["dtype"], "shape": f"[T, {header['hidden_size']}]",
-                "layer": str(layer)}
+    for column in head.columns:
+        meta = {"codec": head.codec, "dtype": head.dtype, "shape": f"[T, {head.hidden_size}]",
+                "layer": head.layer_of(column)}
         fields.append(pa.field(column, STATE_TYPE, nullable=False, metadata=meta))
-    return pa.schema(fields, metadata={METADATA_KEY: json.dumps(header, sort_keys=True).encode()})
+    return pa.schema(fields, metadata={METADATA_KEY: head.to_json()})
 
 
-def header(*, target: dict, taps: dict, columns: list[str], hidden_size: int, dtype: str, codec: str,
-           argmax: bool, chat_template: str, chat_template_sha256: str, tokenizer_sha256: str,
-           responses: dict | None = None) -> dict:
-    """The run header stored in every shard's schema metadata and as the manifest's first line.
-    ``responses``: see :func:`capture.regenerate.responses_header` (None: dataset answers)."""
-    codecs.check(codec)
-    return {
-        "format_version": FORMAT_VERSION,
-        "target": target,
-        "taps": taps,
-        "columns": columns,
-        "hidden_size": hidden_size,
-        "dtype": dtype,
-        "codec": codec,
-        "lossless": codecs.LOSSLESS[codec],
-        "argmax": argmax,
-        "chat_template": chat_template,
-        "chat_template_sha256": chat_template_sha256,
-        "tokenizer_sha256": tokenizer_sha256,
-        "responses": responses or {"mode": "dataset", "chat_template_kwargs": {}},
-    }
-
-
-def read_header(schema_: pa.Schema) -> dict:
+def read_header(schema_: pa.Schema) -> RunHeader:
     """The header of a shard's schema. Raises FormatError for a missing header or unknown major version."""
     raw = (schema_.metadata or {}).get(METADATA_KEY)
     if raw is None:
         raise FormatError("not a capture shard: no 'capture' header in the schema metadata")
-    head = json.loads(raw)
-    check_version(head.get("format_version", "?"))
-    return head
+    return RunHeader.from_dict(json.loads(raw))
 
 
 def check_version(version: str) -> None:
+    """Raise FormatError unless ``version``'s major number is this capture's."""
     major = version.split(".")[0]
     if major != FORMAT_VERSION.split(".")[0]:
         raise FormatError(
@@ -116,9 +241,21 @@ def check_version(version: str) -> None:
         )
 
 
-# Fields that must be equal for new shards to join an existing run (see shards.manifest).
-RUN_IDENTITY = ("target", "taps", "columns", "hidden_size", "dtype", "codec", "argmax", "chat_template_sha256",
-                "tokenizer_sha256", "responses", "engine")
-# What a header without a field means (headers written before the field existed).
-DATASET_RESPONSES = {"mode": "dataset", "chat_template_kwargs": {}}
-IDENTITY_DEFAULTS = {"responses": DATASET_RESPONSES, "engine": {"name": "hf"}}
+def read_ipc(source, label: str, columns: list[str] | None = None) -> pa.Table:
+    """All record batches of one shard from ``source`` (a seekable pyarrow input: a memory map or an
+    input file), or only ``columns`` (the others are not read into memory); ``num_tokens`` comes along
+    with any state column (a cell decodes with its row's token count). ``label`` names the shard in
+    errors. Raises FormatError for an unknown format version or an unknown column."""
+    schema_ = pa.ipc.open_stream(source).schema
+    read_header(schema_)
+    if columns is None:
+        source.seek(0)
+        return pa.ipc.open_stream(source).read_all()
+    missing = [c for c in columns if c not in schema_.names]
+    if not columns or missing:
+        raise FormatError(f"{label}: no column(s) {missing or columns} (it has {', '.join(schema_.names)})")
+    if any(schema_.field(c).type == STATE_TYPE for c in columns) and "num_tokens" not in columns:
+        columns = [*columns, "num_tokens"]
+    options = pa.ipc.IpcReadOptions(included_fields=[schema_.get_field_index(c) for c in columns])
+    source.seek(0)
+    return pa.ipc.open_stream(source, options=options).read_all()

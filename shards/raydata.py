@@ -9,11 +9,11 @@ Data's batch format, has no bfloat16; :func:`samples` decodes a ``pyarrow`` batc
 
     ds = read_run("runs/a", split="train")
     for table in ds.iter_batches(batch_format="pyarrow", batch_size=8):
-        for sample in samples(table, ds_header):   # ds_header = shards.manifest.read("runs/a").header
+        for sample in samples(table, header):   # header = shards.manifest.read("runs/a").header
             ...
 
-``filesystem``: any ``pyarrow.fs.FileSystem`` (a read task fetches its shard whole; see
-:class:`shards.stream.RunSource`).
+``run``: a path, a URI or a :class:`shards.run.Location` (a read task on an object store fetches its
+shard whole).
 """
 
 from __future__ import annotations
@@ -22,25 +22,25 @@ import functools
 import os
 
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.fs as pafs
 from ray.data import Dataset, Datasource, ReadTask, read_datasource
 from ray.data.block import BlockMetadata
 
 from capture.errors import CaptureError
-from shards.stream import SPLITS, RunSource, in_split, row_sample
+from shards import manifest as manifest_mod
+from shards.format import RunHeader
+from shards.run import Location, as_location
+from shards.stream import SPLITS, in_split, row_sample
 
 
 class ShardDatasource(Datasource):
     """The committed shards of ``run`` (a snapshot of the manifest taken here). Raises CaptureError when
     ``run`` holds no capture run or ``split`` is unknown."""
 
-    def __init__(self, run: str | os.PathLike, *, filesystem: pafs.FileSystem | None = None, split: str = "all",
-                 heldout_fraction: float = 0.01):
+    def __init__(self, run: str | os.PathLike | Location, *, split: str = "all", heldout_fraction: float = 0.01):
         if split not in SPLITS:
             raise CaptureError(f"unknown split {split!r}; one of {', '.join(SPLITS)}")
-        self.source = RunSource(str(run), filesystem)
-        manifest = self.source.manifest()
+        self.location = as_location(run)
+        manifest = manifest_mod.read(self.location)
         if manifest.header is None:
             raise CaptureError(f"{run} holds no capture run")
         self.shards = list(manifest.shards)
@@ -55,30 +55,26 @@ class ShardDatasource(Datasource):
         for shard in self.shards:
             meta = BlockMetadata(num_rows=shard["rows"] if self.split == "all" else None, size_bytes=int(shard["bytes"]),
                                  exec_stats=None, input_files=(shard["path"],))
-            read = functools.partial(_read_shard, self.source, shard["path"], self.split, self.heldout_fraction)
+            read = functools.partial(_read_shard, self.location, shard["path"], self.split, self.heldout_fraction)
             tasks.append(ReadTask(read, meta, per_task_row_limit=per_task_row_limit))
         return tasks
 
 
-def _read_shard(source: RunSource, path: str, split: str, heldout_fraction: float) -> list[pa.Table]:
-    table = source.table(path)
+def _read_shard(location: Location, path: str, split: str, heldout_fraction: float) -> list[pa.Table]:
+    table = location.read_table(path)
     if split != "all":
         keep = [in_split(s, split, heldout_fraction) for s in table.column("sample_id").to_pylist()]
         table = table.filter(pa.array(keep, pa.bool_()))
     return [table]
 
 
-def read_run(run: str | os.PathLike, *, filesystem: pafs.FileSystem | None = None, split: str = "all",
-             heldout_fraction: float = 0.01) -> Dataset:
+def read_run(run: str | os.PathLike | Location, *, split: str = "all", heldout_fraction: float = 0.01) -> Dataset:
     """``ray.data.read_datasource`` of :class:`ShardDatasource` (a running Ray, or a local one started)."""
-    return read_datasource(ShardDatasource(run, filesystem=filesystem, split=split, heldout_fraction=heldout_fraction))
+    return read_datasource(ShardDatasource(run, split=split, heldout_fraction=heldout_fraction))
 
 
-def samples(table: pa.Table, header: dict) -> list[dict]:
+def samples(table: pa.Table, header: RunHeader) -> list[dict]:
     """A ``pyarrow`` batch of :func:`read_run` as :class:`shards.stream.ShardStream` sample dicts: ids
     int64 ``[T]``, mask bool ``[T]``, argmax int64 ``[T]``, taps bf16 ``[T, L, H]``, final ``[T, H]``."""
-    layers = [int(c.removeprefix("tap_")) for c in header["columns"] if c.startswith("tap_")]
-    if "num_tokens" not in table.column_names:
-        table = table.append_column("num_tokens", pc.list_value_length(table.column("input_ids")).cast(pa.int32()))
-    return [row_sample(table, i, layers, bool(header.get("argmax")), "final" in header["columns"])
+    return [row_sample(table, i, header.tap_layers, header.argmax, header.final_kind is not None)
             for i in range(table.num_rows)]

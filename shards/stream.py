@@ -43,8 +43,8 @@ commit order (shard permutation needs the whole list; the shuffle buffer still a
 raise CaptureError when no new commit arrives for that long. ``drop_last`` needs the total and is
 refused in tail mode.
 
-**Remote runs.** ``filesystem`` is any ``pyarrow.fs.FileSystem`` (S3, GCS, HDFS, ...) and ``run`` a path
-on it. A shard is an Arrow IPC *stream* (no random access), so a reader fetches each shard it touches
+**Remote runs.** ``run`` is a path, a URI (``s3://…``, ``gs://…``, ``objstore+file://…``) or a
+:class:`shards.run.Location` (any ``pyarrow.fs.FileSystem`` and a path on it). A shard is an Arrow IPC *stream* (no random access), so a reader fetches each shard it touches
 whole (at most ``open_shards`` held at once); local runs are memory-mapped and only the touched rows are
 paged in.
 """
@@ -57,20 +57,17 @@ import os
 import random
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, Sequence
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.fs as pafs
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from capture.errors import CaptureError
 from shards import manifest as manifest_mod
-from shards.format import FormatError, read_header
-from shards.reader import read_table, state_tensor
+from shards.format import FINAL, RunHeader, tap_column
+from shards.rows import read_row
+from shards.run import Location, as_location
 
 SPLITS = ("train", "heldout", "all")
 
@@ -91,57 +88,28 @@ def in_split(sample_id: str, split: str, heldout_fraction: float) -> bool:
     return (heldout_score(sample_id) < heldout_fraction) == (split == "heldout")
 
 
-def row_sample(table: pa.Table, row: int, taps_layers: Sequence[int], argmax: bool, final: bool) -> dict:
-    """Row ``row`` of a shard table (it must hold ``num_tokens`` with any state column) as a sample dict
-    (the module docstring's contract): taps ``taps_layers`` stacked in that order, ``argmax`` and
-    ``final`` included when asked."""
-    ids = table.column("input_ids")[row].values
-    out = {
-        "sample_id": table.column("sample_id")[row].as_py(),
-        "source": table.column("source")[row].as_py(),
-        "input_ids": torch.from_numpy(ids.to_numpy().astype(np.int64)),
-        "loss_mask": torch.from_numpy(table.column("loss_mask")[row].values.to_numpy(zero_copy_only=False)),
-    }
+def row_sample(table: pa.Table | pa.RecordBatch, row: int, taps_layers: Sequence[int], argmax: bool,
+               final: bool) -> dict:
+    """Row ``row`` of a shard table as a sample dict (the module docstring's contract), decoded by
+    :func:`shards.rows.read_row`: taps ``taps_layers`` stacked in that order ``[T, L, H]``, ``argmax``
+    and ``final`` included when asked."""
+    columns = [tap_column(k) for k in taps_layers] + ([FINAL] if final else [])
+    r = read_row(table, row, states=columns)
+    out = {"sample_id": r.sample_id, "source": r.source,
+           "input_ids": torch.from_numpy(r.input_ids.astype("int64")),
+           "loss_mask": torch.from_numpy(r.loss_mask)}
     if argmax:
-        out["argmax"] = torch.from_numpy(table.column("argmax")[row].values.to_numpy().astype(np.int64))
-    out["taps"] = torch.stack([state_tensor(table, f"tap_{k}", row) for k in taps_layers], dim=1)
+        out["argmax"] = torch.from_numpy(r.argmax.astype("int64"))
+    out["taps"] = torch.stack([r.states[c] for c in columns[:len(taps_layers)]], dim=1)
     if final:
-        out["final"] = state_tensor(table, "final", row)
+        out["final"] = r.states[FINAL]
     return out
-
-
-@dataclass(frozen=True)
-class RunSource:
-    """Where a run folder lives: a local path (``filesystem`` None: memory-mapped reads) or a path on a
-    ``pyarrow.fs.FileSystem``."""
-
-    path: str
-    filesystem: pafs.FileSystem | None = None
-
-    def manifest(self) -> manifest_mod.Manifest:
-        """The parsed manifest (empty when there is none yet). Raises CaptureError for a damaged one."""
-        if self.filesystem is None:
-            return manifest_mod.read(self.path)
-        return manifest_mod.read_fs(self.filesystem, self.path)  # manifest.jsonl, else manifest.d/
-
-    def table(self, shard: str) -> pa.Table:
-        """One committed shard as a table. Raises FormatError for an unreadable shard."""
-        if self.filesystem is None:
-            return read_table(Path(self.path) / shard)
-        name = f"{self.path.rstrip('/')}/{shard}"
-        try:
-            with self.filesystem.open_input_file(name) as f:
-                table = pa.ipc.open_stream(f).read_all()
-        except (OSError, pa.ArrowInvalid) as e:
-            raise FormatError(f"cannot read shard {name}: {e}") from None
-        read_header(table.schema)
-        return table
 
 
 class ShardStream(IterableDataset):
     """Samples of a run folder (see the module docstring for order, sharding, resume and tail mode).
 
-    ``run``: the run folder (a local path, or a path on ``filesystem``). ``split``: ``train``,
+    ``run``: the run folder (a path, a URI or a :class:`shards.run.Location`). ``split``: ``train``,
     ``heldout`` or ``all`` by :func:`in_split` with ``heldout_fraction``. ``layers``: the taps to return
     (default all, in header order). ``final``: return the final state when the run stored it. ``rank``,
     ``world_size``: default from ``torch.distributed`` when initialized, else 0 and 1.
@@ -150,8 +118,7 @@ class ShardStream(IterableDataset):
     fraction, rank or option combination.
     """
 
-    def __init__(self, run: str | os.PathLike, *, filesystem: pafs.FileSystem | None = None,
-                 split: str = "all", heldout_fraction: float = 0.01, layers: Sequence[int] | None = None,
+    def __init__(self, run: str | os.PathLike | Location, *, split: str = "all", heldout_fraction: float = 0.01, layers: Sequence[int] | None = None,
                  final: bool = True, shuffle: bool = False, seed: int = 0, shuffle_buffer: int = 1024,
                  rank: int | None = None, world_size: int | None = None, drop_last: bool = False,
                  tail: bool = False, poll_s: float = 1.0, timeout_s: float | None = None, open_shards: int = 4):
@@ -163,7 +130,7 @@ class ShardStream(IterableDataset):
             raise CaptureError("shuffle_buffer and open_shards must be at least 1")
         if tail and drop_last:
             raise CaptureError("drop_last needs the run's total, which tail mode does not know until the end")
-        self.source = RunSource(str(run), filesystem)
+        self.location = as_location(run)
         self.split, self.heldout_fraction = split, heldout_fraction
         self.shuffle, self.seed, self.shuffle_buffer = shuffle, seed, shuffle_buffer
         self.rank, self.world_size = _rank(rank, world_size)
@@ -171,27 +138,26 @@ class ShardStream(IterableDataset):
         self.open_shards = open_shards
         self.epoch, self.position, self._next = 0, 0, 0
 
-        manifest = self._wait_for_header() if tail else self.source.manifest()
+        manifest = self._wait_for_header() if tail else manifest_mod.read(self.location)
         if manifest.header is None:
-            raise CaptureError(f"{run} holds no capture run (no {manifest_mod.MANIFEST} with a header)")
-        self.header = manifest.header
+            raise CaptureError(f"{run} holds no capture run (no {self.location.manifest_name} with a header)")
+        self.header: RunHeader = manifest.header
         self._shards = [] if tail else list(manifest.shards)
-        taps = [int(c.removeprefix("tap_")) for c in self.header["columns"] if c.startswith("tap_")]
+        taps = list(self.header.tap_layers)
         wanted = taps if layers is None else [int(k) for k in layers]
         missing = [k for k in wanted if k not in taps]
         if missing or not wanted:
             raise CaptureError(f"no tap(s) {missing or wanted} in this run; it stored taps {taps}")
         self.taps_layers: tuple[int, ...] = tuple(wanted)
-        self.final_kind: str | None = (self.header["taps"].get("final") if final and "final" in self.header["columns"]
-                                       else None)
-        self.has_argmax: bool = bool(self.header["argmax"])
+        self.final_kind: str | None = self.header.final_kind if final else None
+        self.has_argmax: bool = self.header.argmax
 
     # ---------------------------------------------------------------- order
 
     def _wait_for_header(self) -> manifest_mod.Manifest:
         start = time.monotonic()
         while True:
-            manifest = self.source.manifest()
+            manifest = manifest_mod.read(self.location)
             if manifest.header is not None:
                 return manifest
             if self.timeout_s is not None and time.monotonic() - start > self.timeout_s:
@@ -205,7 +171,7 @@ class ShardStream(IterableDataset):
             return
         seen, last_new = 0, time.monotonic()
         while True:
-            manifest = self.source.manifest()
+            manifest = manifest_mod.read(self.location)
             new = manifest.shards[seen:]
             yield from new
             seen += len(new)
@@ -214,7 +180,7 @@ class ShardStream(IterableDataset):
             elif manifest.complete:
                 return
             elif self.timeout_s is not None and time.monotonic() - last_new > self.timeout_s:
-                raise CaptureError(f"tail: no new shard committed to {self.source.path} for {self.timeout_s:g} s "
+                raise CaptureError(f"tail: no new shard committed to {self.location.path} for {self.timeout_s:g} s "
                                    "and no completion record")
             else:
                 time.sleep(self.poll_s)
@@ -256,7 +222,7 @@ class ShardStream(IterableDataset):
         wid, workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
         start = self.position
         self._next = start
-        tables = _TableCache(self.source, self.open_shards)
+        tables = _TableCache(self.location, self.open_shards)
         for g, (path, row, _) in enumerate(self._entries(self.epoch)):
             if g % self.world_size != self.rank:
                 continue
@@ -342,37 +308,38 @@ def _buffer_shuffle(items, size: int, rng: random.Random):
 class _TableCache:
     """The last ``size`` shard tables a reader touched (an LRU; one per iterator, never shared)."""
 
-    def __init__(self, source: RunSource, size: int):
-        self.source, self.size, self.tables = source, size, OrderedDict()
+    def __init__(self, location: Location, size: int):
+        self.location, self.size, self.tables = location, size, OrderedDict()
 
     def get(self, path: str) -> pa.Table:
         if path in self.tables:
             self.tables.move_to_end(path)
         else:
-            self.tables[path] = self.source.table(path)
+            self.tables[path] = self.location.read_table(path)
             while len(self.tables) > self.size:
                 self.tables.popitem(last=False)
         return self.tables[path]
 
 
-def hf_dataset(run: str | os.PathLike, *, split: str = "all", heldout_fraction: float = 0.01,
+def hf_dataset(run: str | os.PathLike | Location, *, split: str = "all", heldout_fraction: float = 0.01,
                columns: Sequence[str] | None = None):
     """The run's rows as a Hugging Face ``datasets.Dataset`` (zero-copy over the memory-mapped shards):
     by default every column but the states (``sample_id``, ``source``, ``row_index``, ``input_ids``,
     ``loss_mask``, ``argmax``, ``num_tokens``, ...), in manifest order, filtered by ``split`` as
     :func:`in_split`. A state column may be named in ``columns``: it comes as the encoded cell bytes
     (decode with :func:`shards.codecs.decode`); for decoded states use :class:`ShardStream`.
-    Local runs only. Raises CaptureError for a folder without a run or an unknown column."""
+    Raises CaptureError for a folder without a run or an unknown column."""
     import datasets
     from datasets.table import InMemoryTable
 
-    manifest = manifest_mod.read(run)
+    loc = as_location(run)
+    manifest = manifest_mod.read(loc)
     if manifest.header is None:
-        raise CaptureError(f"{run} holds no capture run (no {manifest_mod.MANIFEST} with a header)")
+        raise CaptureError(f"{run} holds no capture run (no {loc.manifest_name} with a header)")
     tables = []
     for shard in manifest.shards:
-        table = read_table(Path(run) / shard["path"])  # memory-mapped: unselected columns are never touched
-        states = set(manifest.header["columns"])
+        table = loc.read_table(shard["path"])  # local: memory-mapped, unselected columns are never touched
+        states = set(manifest.header.columns)
         cols = list(columns) if columns is not None else [c for c in table.column_names if c not in states]
         unknown = [c for c in cols if c not in table.column_names]
         if unknown:

@@ -5,30 +5,26 @@ run's identity, its rows, sample ids, tokens and supervised tokens equal the man
 self-consistent (``num_tokens`` = len(input_ids) = len(loss_mask) = len(argmax), ``num_loss_tokens`` =
 sum(loss_mask), every state cell decodes to ``[T, H]``, ``token_sha256`` recomputes, ``finish_reasons``
 fits the run's responses mode). Across shards: no sample id twice. Files in the folder that no manifest
-line names are reported as garbage, not errors. A run on an object store (a URI, see :mod:`shards.fs`)
+line names are reported as garbage, not errors. A run on an object store (a URI, see :mod:`shards.run`)
 is read through its file system.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.fs as pafs
 import zstandard
 
 from capture.errors import CaptureError
-from capture.hashing import sha256_file, token_sha256
+from capture.hashing import token_sha256
 from shards import manifest as manifest_mod
-from shards.fs import Location, as_location
-from shards.format import STATE_TYPE, FormatError, read_header
-from shards.manifest import identity_diff
-from shards.reader import read_table, state_tensor
+from shards.format import FormatError, RunHeader, read_header
+from shards.rows import state_columns, state_tensor
+from shards.run import Location, as_location
 
 
 @dataclasses.dataclass
@@ -45,54 +41,10 @@ class Report:
         return not self.problems
 
 
-@dataclasses.dataclass(frozen=True)
-class FileMismatch:
-    """A file that is not what a record says: ``field`` is ``missing``, ``bytes`` or ``sha256``;
-    ``expected``/``actual`` are the recorded and the found values (sizes in bytes, hashes as hex)."""
-
-    path: str
-    field: str
-    expected: str | int | None
-    actual: str | int | None
-
-
-def check_file(path: str | os.PathLike, size: int, sha256: str) -> FileMismatch | None:
-    """Recheck one file against its recorded size (bytes) and SHA-256 (hex), hashing it streamed.
-    Returns None when both match, else the first difference; never raises for a missing file."""
-    path = Path(path)
-    if not path.is_file():
-        return FileMismatch(str(path), "missing", size, None)
-    found = path.stat().st_size
-    if found != size:
-        return FileMismatch(str(path), "bytes", size, found)
-    digest = sha256_file(path)
-    if digest != sha256:
-        return FileMismatch(str(path), "sha256", sha256, digest)
-    return None
-
-
-def check_object(loc: Location, name: str, size: int, sha256: str) -> FileMismatch | None:
-    """:func:`check_file` for the object ``name`` of a run on any file system (streamed, 1 MiB reads)."""
-    path = loc.join(name)
-    info = loc.filesystem.get_file_info(path)
-    if info.type != pafs.FileType.File:
-        return FileMismatch(path, "missing", size, None)
-    if info.size != size:
-        return FileMismatch(path, "bytes", size, info.size)
-    sha = hashlib.sha256()
-    with loc.filesystem.open_input_stream(path) as f:
-        while chunk := f.read(1 << 20):
-            sha.update(chunk)
-    if sha.hexdigest() != sha256:
-        return FileMismatch(path, "sha256", sha256, sha.hexdigest())
-    return None
-
-
 def verify(run_dir: str | os.PathLike | Location) -> Report:
     """Check the run in ``run_dir`` (a path, a URI or a Location); problems are listed, never raised (a
     missing manifest is one)."""
     loc = as_location(run_dir)
-    run_dir = Path(loc.path) if loc.local else loc.path
     report = Report()
     try:
         m = manifest_mod.read(loc)
@@ -100,8 +52,7 @@ def verify(run_dir: str | os.PathLike | Location) -> Report:
         report.problems.append(str(e))
         return report
     if m.header is None:
-        kind = manifest_mod.MANIFEST if loc.local else f"{manifest_mod.MANIFEST_DIR}/"
-        report.problems.append(f"{run_dir}: no manifest with a header ({kind})")
+        report.problems.append(f"{loc.path}: no manifest with a header ({loc.manifest_name})")
         return report
     report.complete = m.complete
     seen: set[str] = set()
@@ -115,14 +66,14 @@ def verify(run_dir: str | os.PathLike | Location) -> Report:
         seen.update(entry["sample_ids"])
         report.rows += entry["rows"]
         report.tokens += entry["tokens"]
-    report.garbage = [p.name for p in manifest_mod.garbage(loc, m)]
+    report.garbage = manifest_mod.garbage(loc, m)
     return report
 
 
-def _check_finish_reasons(reasons: list, header: dict, ids: list[str]) -> list[str]:
+def _check_finish_reasons(reasons: list, header: RunHeader, ids: list[str]) -> list[str]:
     """Regenerate runs: one reason or more per row, each ``stop`` or ``length``, all but the last ``stop``
     (a conversation goes on only after an answer that stopped); dataset runs: null."""
-    if (header.get("responses") or {}).get("mode") == "regenerate":
+    if header.mode == "regenerate":
         bad = [i for i, r in enumerate(reasons)
                if not r or r[-1] not in ("stop", "length") or any(x != "stop" for x in r[:-1])]
         want = "one 'stop'/'length' per generated turn"
@@ -132,13 +83,8 @@ def _check_finish_reasons(reasons: list, header: dict, ids: list[str]) -> list[s
     return [f"finish_reasons not {want} in {len(bad)} row(s), e.g. {ids[bad[0]]}"] if bad else []
 
 
-def _verify_shard(loc: Location, entry: dict, header: dict) -> list[str]:
-    if loc.local:
-        path, filesystem = Path(loc.path) / entry["path"], None
-        bad = check_file(path, entry["bytes"], entry["sha256"])
-    else:
-        path, filesystem = loc.join(entry["path"]), loc.filesystem
-        bad = check_object(loc, entry["path"], entry["bytes"], entry["sha256"])
+def _verify_shard(loc: Location, entry: dict, header: RunHeader) -> list[str]:
+    bad = loc.check_file(entry["path"], entry["bytes"], entry["sha256"])
     if bad is not None:
         if bad.field == "missing":
             return ["missing"]
@@ -146,8 +92,8 @@ def _verify_shard(loc: Location, entry: dict, header: dict) -> list[str]:
             return [f"size {bad.actual} != manifest {bad.expected}"]
         return [f"sha256 {bad.actual[:16]}… != manifest {bad.expected[:16]}…"]
     try:
-        table = read_table(path, filesystem=filesystem)
-        diff = identity_diff(header, read_header(table.schema))
+        table = loc.read_table(entry["path"])
+        diff = header.identity_diff(read_header(table.schema))
     except (pa.ArrowInvalid, FormatError) as e:
         return [f"unreadable: {e}"]
     problems = [f"schema header differs from the manifest in {', '.join(diff)}"] if diff else []
@@ -168,16 +114,15 @@ def _verify_shard(loc: Location, entry: dict, header: dict) -> list[str]:
         problems += _check_finish_reasons(table.column("finish_reasons").to_pylist(), header, ids)
     if int(n.sum()) != entry["tokens"] or int(mask_sums.sum()) != entry["loss_tokens"]:
         problems.append(f"tokens {int(n.sum())}/{int(mask_sums.sum())} != manifest {entry['tokens']}/{entry['loss_tokens']}")
-    for field in table.schema:
-        if field.type == STATE_TYPE:
-            bad = []
-            for i in range(table.num_rows):
-                try:
-                    state_tensor(table, field.name, i)
-                except (ValueError, RuntimeError, zstandard.ZstdError):
-                    bad.append(i)
-            if bad:
-                problems.append(f"{field.name}: {len(bad)} row(s) do not decode to [T, H], e.g. {ids[bad[0]]}")
+    for column in state_columns(table):
+        bad = []
+        for i in range(table.num_rows):
+            try:
+                state_tensor(table, column, i)
+            except (ValueError, RuntimeError, zstandard.ZstdError):
+                bad.append(i)
+        if bad:
+            problems.append(f"{column}: {len(bad)} row(s) do not decode to [T, H], e.g. {ids[bad[0]]}")
     hashes = [token_sha256(v.values.to_numpy()) for v in table.column("input_ids")]
     bad = [i for i, (a, b) in enumerate(zip(hashes, table.column("token_sha256").to_pylist())) if a != b]
     if bad:

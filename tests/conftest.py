@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from shards.writer import Row, ShardInfo
+    from shards.writer import ShardInfo
+    from shards.rows import Row
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_SAMPLE = REPO.parent / "shared" / "data" / "open-perfectblend-sample.jsonl"

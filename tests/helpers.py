@@ -21,9 +21,12 @@ from capture.chat import Prompt, Tokenized
 from capture.data import Conversation, ReadStats, iter_conversations, resolve_dataset
 from capture.hashing import token_sha256
 from shards import format as shard_format
-from shards.manifest import MANIFEST, ManifestWriter
+from shards.format import RunHeader
+from shards.manifest import ManifestWriter
+from shards.run import MANIFEST
 from shards.reader import iter_rows
-from shards.writer import Row, ShardInfo, ShardWriter
+from shards.writer import ShardInfo, ShardWriter
+from shards.rows import Row
 
 # --------------------------------------------------------------------------------------------------
 # shard rows and runs (no model)
@@ -33,7 +36,7 @@ COLUMNS = ["tap_1", "tap_3", "final"]
 BIG = 1 << 40  # a target size no test reaches: the shard closes only on close()
 
 
-def make_header(**overrides) -> dict:
+def make_header(**overrides) -> RunHeader:
     h = shard_format.header(
         target={"name": "tiny", "source": "test", "revision": "0", "architecture": "none", "num_layers": 4},
         taps={"layers": [1, 3], "final": "post-norm", "tap_convention": "t", "final_convention": "f"},
@@ -46,8 +49,7 @@ def make_header(**overrides) -> dict:
         chat_template_sha256="a" * 64,
         tokenizer_sha256="b" * 64,
     )
-    h.update(overrides)
-    return h
+    return h.replace(**overrides)
 
 
 HEADER = make_header()
@@ -58,20 +60,20 @@ REGENERATED = make_header(responses={"mode": "regenerate", "policy": "every", "t
 
 
 def make_row(rng: np.random.Generator, index: int, tokens: int, source: str = "alpha", *,
-             dataset: str = "d", incompressible: bool = False, header: dict = HEADER) -> Row:
+             dataset: str = "d", incompressible: bool = False, header: RunHeader = HEADER) -> Row:
     ids = rng.integers(0, 50_000, tokens, dtype=np.int32)
     mask = rng.random(tokens) < 0.5
     mask[-1] = True  # at least one supervised token
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[header["dtype"]]
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[header.dtype]
     states = {}
-    for c in header["columns"]:
+    for c in header.columns:
         if incompressible:  # uniformly random bits: zstd cannot shrink them
-            states[c] = torch.randint(-(1 << 15), 1 << 15, (tokens, header["hidden_size"]), dtype=torch.int16,
+            states[c] = torch.randint(-(1 << 15), 1 << 15, (tokens, header.hidden_size), dtype=torch.int16,
                                       generator=gen).view(dtype)
         else:
-            states[c] = (torch.randn(tokens, header["hidden_size"], generator=gen) * 3).to(dtype)
-    argmax = rng.integers(0, 50_000, tokens, dtype=np.int32) if header["argmax"] else None
+            states[c] = (torch.randn(tokens, header.hidden_size, generator=gen) * 3).to(dtype)
+    argmax = rng.integers(0, 50_000, tokens, dtype=np.int32) if header.argmax else None
     return Row(f"{dataset}:{index}", source, index, ids, mask, argmax, states, token_sha256(ids))
 
 
@@ -81,7 +83,7 @@ def make_rows(seed: int, n: int, start: int = 0, sources=("alpha", "beta")) -> l
 
 
 def write_run(run_dir: Path, batches: list[list[Row]], target_bytes: int = BIG, *, complete: bool = True,
-              header: dict = HEADER) -> list[ShardInfo]:
+              header: RunHeader = HEADER) -> list[ShardInfo]:
     """Write ``batches`` through one ShardWriter, commit every closed shard, optionally mark complete."""
     mw, _ = ManifestWriter.open(run_dir, header)
     writer = ShardWriter(run_dir, shard_format.schema(header), target_bytes=target_bytes)

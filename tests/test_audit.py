@@ -17,7 +17,8 @@ from provenance.audit import audit, greedy_counts, markdown
 from shards import format as shard_format
 from shards.manifest import ManifestWriter, read as read_manifest
 from shards.reader import iter_rows
-from shards.writer import Row, ShardWriter
+from shards.writer import ShardWriter
+from shards.rows import Row
 
 AUTOIF = "Post-training-Data-Flywheel/AutoIF-instruct-61k"
 ULTRAFEEDBACK = "HuggingFaceH4/ultrafeedback_binarized"
@@ -61,11 +62,11 @@ def copy_run(src, dst, rows: list[Row]) -> None:
     """A new run folder with ``src``'s header (and provenance) holding ``rows`` in one shard."""
     dst.mkdir(parents=True)
     shutil.copy(src / "provenance.json", dst / "provenance.json")
-    header = {k: v for k, v in read_manifest(src).header.items() if k != "kind"}
+    header = read_manifest(src).header
     add_rows(dst, header, rows)
 
 
-def add_rows(run_dir, header: dict, rows: list[Row]) -> None:
+def add_rows(run_dir, header, rows: list[Row]) -> None:
     """Commit ``rows`` as one more shard of ``run_dir`` (the writer and manifest a replica uses)."""
     mw, _ = ManifestWriter.open(run_dir, header)
     writer = ShardWriter(run_dir, shard_format.schema(header), target_bytes=1 << 40)

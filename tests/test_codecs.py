@@ -82,7 +82,8 @@ def test_recode_round_trip(tmp_path, real_states):
     from shards import format as shard_format
     from shards.manifest import ManifestWriter
     from shards.reader import iter_rows
-    from shards.writer import Row, ShardWriter
+    from shards.writer import ShardWriter
+    from shards.rows import Row
 
     src = tmp_path / "src"
     header = shard_format.header(

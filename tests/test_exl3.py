@@ -169,7 +169,7 @@ def test_exl3_run_header_stores_fp16(tmp_path, monkeypatch):
     cfg = RunConfig(out=str(tmp_path / "out"), target=str(model_dir), dataset=str(data), engine="exl3",
                     chat_template=str(REPO / "capture" / "templates" / "glm.jinja"))
     prep = prepare(cfg)
-    assert prep.header["dtype"] == "float16"
-    assert prep.header["engine"] == {"name": "exl3", "fp16_clamp": 65504.0}
+    assert prep.header.dtype == "float16"
+    assert prep.header.engine == {"name": "exl3", "fp16_clamp": 65504.0}
     with pytest.raises(CaptureError, match="--engine exl3 captures prefills only"):
         prepare(dataclasses.replace(cfg, responses="regenerate"))

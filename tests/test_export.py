@@ -18,7 +18,8 @@ from shards import format as shard_format
 from shards import manifest as manifest_mod
 from shards.export import export
 from shards.manifest import ManifestWriter
-from shards.reader import read_table, shard_paths, state_tensor
+from shards.reader import read_table, shard_paths
+from shards.rows import state_tensor
 from shards.stream import ShardStream
 from shards.writer import ShardWriter
 from helpers import bits, real_rows
@@ -95,8 +96,8 @@ def test_specforge_round_trip(reader_run, tmp_path):
 
 
 def test_export_refuses_bad_input(reader_run, tmp_path):
-    header = {k: v for k, v in manifest_mod.read(reader_run).header.items() if k != "kind"}
-    header.update(columns=list(TAPS), taps={**header["taps"], "final": None})
+    header = manifest_mod.read(reader_run).header
+    header = header.replace(columns=list(TAPS), taps={**header.taps, "final": None})
     no_final = tmp_path / "no-final"
     mw, _ = ManifestWriter.open(no_final, header)
     sw = ShardWriter(no_final, shard_format.schema(header), target_bytes=1 << 40)

@@ -3,7 +3,6 @@ version refused, a minor one accepted, a file without a capture header refused).
 
 from __future__ import annotations
 
-import json
 
 import pyarrow as pa
 import pytest
@@ -32,7 +31,7 @@ def test_schema_columns_and_metadata():
 
 def test_format_version_2_refused(tmp_path):
     path = tmp_path / "v2.arrow"
-    hand_written_shard(path, {b"capture": json.dumps(make_header(format_version="2.0")).encode()})
+    hand_written_shard(path, {b"capture": make_header(format_version="2.0").to_json()})
     with pytest.raises(FormatError, match=r"version 2\.0"):
         read_table(path)
     with pytest.raises(FormatError, match=r"version 2\.0"):
@@ -42,7 +41,7 @@ def test_format_version_2_refused(tmp_path):
 
 def test_format_minor_version_accepted(tmp_path):
     path = tmp_path / "v1_7.arrow"
-    hand_written_shard(path, {b"capture": json.dumps(make_header(format_version="1.7")).encode()})
+    hand_written_shard(path, {b"capture": make_header(format_version="1.7").to_json()})
     assert read_table(path)["sample_id"].to_pylist() == ["d:0", "d:1"]
 
 

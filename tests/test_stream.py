@@ -18,9 +18,12 @@ from torch.utils.data import DataLoader
 from capture.errors import CaptureError
 from shards import format as shard_format
 from shards import manifest as manifest_mod
+from shards import run as run_mod
 from shards.manifest import ManifestWriter
 from shards.pack import pack
-from shards.reader import read_table, shard_paths, state_tensor
+from shards.reader import read_table, shard_paths
+from shards.rows import state_tensor
+from shards.run import Location
 from shards.stream import ShardStream, heldout_score, hf_dataset
 from shards.writer import ShardWriter
 
@@ -180,7 +183,7 @@ def test_pack_conserves_tokens_and_never_splits_a_sample(reader_run):
 
 
 def test_tail_follows_a_writer_and_stops_at_completion(reader_run, tmp_path):
-    header = {k: v for k, v in manifest_mod.read(reader_run).header.items() if k != "kind"}
+    header = manifest_mod.read(reader_run).header
     rows = real_rows(reader_run)[:24]
     live = tmp_path / "live"
     errors = []
@@ -194,10 +197,10 @@ def test_tail_follows_a_writer_and_stops_at_completion(reader_run, tmp_path):
                 sw.write(rows[i:i + 6])
                 [info] = sw.close()
                 mw.commit(info)
-            with open(live / manifest_mod.MANIFEST, "ab") as f:
+            with open(live / run_mod.MANIFEST, "ab") as f:
                 f.write(b'{"kind": "complete"')  # torn: not committed, no stop yet
             time.sleep(0.5)
-            with open(live / manifest_mod.MANIFEST, "ab") as f:
+            with open(live / run_mod.MANIFEST, "ab") as f:
                 f.truncate(manifest_mod.read(live).committed_bytes)
             mw.complete({"rows": len(rows)})
         except BaseException as e:  # noqa: BLE001 - reported by the test
@@ -233,7 +236,7 @@ def test_tail_follows_a_writer_and_stops_at_completion(reader_run, tmp_path):
 
 def test_reads_through_a_pyarrow_filesystem(reader_run):
     fs = pafs.SubTreeFileSystem(str(reader_run.parent), pafs.LocalFileSystem())
-    remote = list(ShardStream(reader_run.name, filesystem=fs, shuffle=True, seed=2))
+    remote = list(ShardStream(Location(fs, reader_run.name), shuffle=True, seed=2))
     local = list(ShardStream(reader_run, shuffle=True, seed=2))
     assert [s["sample_id"] for s in remote] == [s["sample_id"] for s in local]
     for a, b in zip(remote, local):

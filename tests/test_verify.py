@@ -22,10 +22,13 @@ from helpers import (BIG, HEADER, REGENERATED, SCHEMA, flip_byte, hand_written_s
 import cli
 from shards import format as shard_format
 from shards import manifest as manifest_mod
-from shards.manifest import MANIFEST, ManifestWriter
+from shards.manifest import ManifestWriter
+from shards.run import MANIFEST
 from shards.manifest import garbage as garbage_of
 from shards.verify import verify
-from shards.writer import TMP_PREFIX, Row, ShardInfo, ShardWriter
+from shards.writer import ShardInfo, ShardWriter
+from shards.rows import Row
+from shards.run import TMP_PREFIX
 
 
 def test_verify_ok_on_good_run(good_run):
@@ -189,7 +192,7 @@ def test_verify_reports_unreadable_shard_version(good_run):
     """A committed shard (right sha and size) of an unknown major version is a verify problem, not a crash."""
     run, infos, _ = good_run
     path = run / "shard-v2.arrow"
-    hand_written_shard(path, {b"capture": json.dumps(make_header(format_version="2.0")).encode()})
+    hand_written_shard(path, {b"capture": make_header(format_version="2.0").to_json()})
     data = path.read_bytes()
     mw, _ = ManifestWriter.open(run, HEADER)
     mw.commit(ShardInfo(path.name, 2, 10, 5, len(data), hashlib.sha256(data).hexdigest(), ("d:900", "d:901"),
@@ -229,7 +232,7 @@ def test_verify_lists_garbage_not_problems(run_with_garbage):
     assert report.problems == []
     assert sorted(report.garbage) == garbage
     assert report.shards == 3 and report.rows == 9
-    assert [p.name for p in manifest_mod.garbage(run)] == garbage
+    assert manifest_mod.garbage(run) == garbage
 
 
 def test_gc_removes_exactly_garbage(run_with_garbage):
@@ -271,7 +274,7 @@ def test_gc_refuses_a_live_run_and_a_folder_without_a_run(run_with_garbage, tmp_
     assert res.exit_code == 2 and "holds no capture run" in res.stderr
     assert sorted(p.name for p in mine.iterdir()) == ["msgs.arrow", "shard-x.arrow"]
     (run / "notes.arrow").write_bytes(b"not a shard name")
-    assert "notes.arrow" not in [p.name for p in garbage_of(run)]
+    assert "notes.arrow" not in garbage_of(run)
 
 
 def test_cli_verify_ok_then_fail(good_run):

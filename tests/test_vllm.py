@@ -212,7 +212,8 @@ def test_cli_run_with_vllm(tmp_path, sample_jsonl, encoder, smol_dir):
     import pyarrow as pa
 
     from shards.format import read_header
-    from shards.reader import read_table, shard_paths, state_tensor
+    from shards.reader import read_table, shard_paths
+    from shards.rows import state_tensor
 
     out = tmp_path / "run"
     proc = capture_cli("run", "--engine", "vllm", "--dataset", str(sample_jsonl), "--limit", "6", "--layers", "3,15",

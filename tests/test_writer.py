@@ -22,10 +22,12 @@ from capture.hashing import token_sha256
 from shards import format as shard_format
 from shards import manifest as manifest_mod
 from shards.manifest import ManifestWriter
-from shards.reader import iter_rows, read_table, shard_paths, state_tensor
+from shards.reader import iter_rows, read_table, shard_paths
+from shards.rows import state_tensor
 from shards.summary import head, stat
 from shards.verify import verify
-from shards.writer import TMP_PREFIX, ShardInfo, ShardWriter
+from shards.writer import ShardInfo, ShardWriter
+from shards.run import TMP_PREFIX
 
 
 def test_round_trip_one_shard(tmp_path):
@@ -56,7 +58,7 @@ def test_round_trip_one_shard(tmp_path):
     assert before.header is None and before.shards == []
     mw.commit(info)
     m = manifest_mod.read(tmp_path)
-    assert m.header == {"kind": "header", **HEADER}
+    assert m.header == HEADER
     assert len(m.shards) == 1
     assert m.shards[0] == {"kind": "shard", "path": info.path, "rows": 7, "tokens": info.tokens,
                            "loss_tokens": info.loss_tokens, "bytes": info.bytes, "sha256": info.sha256,

@@ -1,9 +1,11 @@
 """Engines: a target model that prefills token ids and returns the tapped hidden states.
 
 ``hf`` (transformers; the CPU reference), ``vllm`` (production; :mod:`capture.engines.vllm`) and ``exl3``
-(exllamav3 on CUDA, EXL3-quantized targets; :mod:`capture.engines.exl3`, prefill only) have the
-same two methods, ``forward(batch) -> list[Captured]`` and ``generate(prompts, sampling, stop_ids) ->
-list[Generated]`` (see :mod:`capture.engines.base`).
+(exllamav3 on CUDA, EXL3-quantized targets; :mod:`capture.engines.exl3`, prefill only) follow one
+contract, :class:`capture.engines.base.Engine`: ``forward(batch) -> list[Captured]``,
+``generate(prompts, sampling, stop_ids) -> list[Generated]`` and the :class:`~capture.engines.base.Capabilities`
+each class declares. :data:`REGISTRY` is the one list of engines: adding one is its module plus one
+line there. This module imports no engine (nor torch) until one is asked for.
 """
 
 from __future__ import annotations
@@ -15,9 +17,26 @@ from typing import Any
 from capture.errors import CaptureError
 from capture.targets import Taps
 
-NAMES = ("auto", "hf", "vllm", "exl3")
+# name → "module:class" of the engine (imported when first needed)
+REGISTRY = {
+    "hf": "capture.engines.hf:HFEngine",
+    "vllm": "capture.engines.vllm:VLLMEngine",
+    "exl3": "capture.engines.exl3:EXL3Engine",
+}
+NAMES = ("auto", *REGISTRY)
 # vllm.LLM arguments capture sets itself
 _OWNED = {"model", "dtype", "speculative_config", "kv_transfer_config", "worker_extension_cls"}
+
+
+def engine_class(name: str):
+    """The engine class registered under ``name`` (imports its module). Raises CaptureError for an
+    unknown name."""
+    import importlib
+
+    if name not in REGISTRY:
+        raise CaptureError(f"unknown engine {name!r}; one of {', '.join(NAMES)}")
+    module, cls = REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def resolve_engine(name: str) -> str:
@@ -65,6 +84,16 @@ class EngineSpec:
     name: str
     vllm_path: str = "auto"
     vllm_args: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def capabilities(self):
+        """The engine class's :class:`capture.engines.base.Capabilities`."""
+        return engine_class(self.name).capabilities
+
+    @property
+    def context_limit(self) -> int | None:
+        """The engine's own limit on a sequence's tokens, when one is set (vLLM's ``max_model_len``)."""
+        return dict(self.vllm_args).get("max_model_len")
 
     def describe(self) -> dict:
         """For the run header (part of the run identity: states of one run come from one engine and

@@ -1,8 +1,10 @@
-"""What every engine returns: captured states of a prefill, and generated answers."""
+"""The engine contract (:class:`Engine`, :class:`Capabilities`) and what every engine returns: captured
+states of a prefill, and generated answers."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -33,3 +35,47 @@ class Generated:
 
     token_ids: np.ndarray
     finish_reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do, declared by the engine class (``capabilities``); the driver and replicas
+    branch on these, never on engine names.
+
+    ``generates``: it implements ``generate`` (``--responses regenerate``). ``own_batching``: it schedules
+    its own batches (vLLM's ``max_num_batched_tokens``), so a replica hands it a whole work unit at once
+    instead of ``--batch-tokens`` batches. ``state_dtype``: the dtype its states come in when that is not
+    the target's (exllamav3 exports float16), recorded as the run's dtype. ``finals``: the final-state
+    conventions it captures. ``topk``: it can give the target's top-K logits. ``devices``: where it runs
+    (``cpu``, ``cuda``). ``gpus_per_tp_rank``: a replica reserves ``tp`` GPUs from Ray when the cluster
+    has GPUs. ``options``: run settings (``RunConfig`` field names) only this engine takes; the driver
+    refuses them for the others.
+    """
+
+    generates: bool
+    own_batching: bool = False
+    state_dtype: str | None = None
+    finals: tuple[str, ...] = ("none", "post-norm", "pre-norm")
+    topk: bool = False
+    devices: tuple[str, ...] = ("cpu",)
+    gpus_per_tp_rank: bool = False
+    options: tuple[str, ...] = ()
+
+
+class Engine(Protocol):
+    """The engine contract (vLLM's connector interfaces are the model: small and role-split). A target
+    model loaded for capture: ``forward`` prefills token ids and returns the tapped states, ``generate``
+    answers prompts (self-distillation; engines whose capabilities say ``generates=False`` raise
+    CaptureError). Tap k is the output of 0-based decoder layer k (HF ``hidden_states[k+1]``, vLLM aux
+    id k+1); ``final`` follows the run's convention (see :class:`capture.targets.Taps`)."""
+
+    name: str
+    capabilities: ClassVar[Capabilities]
+
+    def forward(self, batch: Sequence[np.ndarray]) -> list[Captured]:
+        """Prefill each int32 ``[T_i]`` id array; one :class:`Captured` each, in order (states ``[T_i, H]``)."""
+        ...
+
+    def generate(self, prompts: Sequence[np.ndarray], sampling: Sampling, stop_ids: Sequence[int]) -> list[Generated]:
+        """Continue each int32 prompt until a token of ``stop_ids`` or ``sampling.max_new_tokens``."""
+        ...

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from capture.engines.base import Captured, Generated, Sampling
+from capture.engines.base import Capabilities, Captured, Generated, Sampling
 from capture.errors import CaptureError
 from capture.targets import Taps
 
@@ -59,6 +59,7 @@ class EXL3Engine:
     """Load an EXL3 model folder and capture ``taps``; fp16 states ``[T, H]`` per column."""
 
     name = "exl3"
+    capabilities = Capabilities(generates=False, state_dtype="float16", devices=("cuda",))
 
     def __init__(self, model_dir: str, taps: Taps, *, argmax: bool = True, num_layers: int):
         check_exl3()

@@ -35,7 +35,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from capture.engines.base import Captured, Generated, Sampling
+from capture.engines.base import Capabilities, Captured, Generated, Sampling
 from capture.targets import Taps, reduce_streams
 
 __all__ = ["Captured", "Generated", "HFEngine", "Sampling"]
@@ -67,6 +67,7 @@ class HFEngine:
     ``device_map`` (e.g. ``"auto"`` on a GPU machine; None: CPU) places the model, states come back on CPU."""
 
     name = "hf"
+    capabilities = Capabilities(generates=True, devices=("cpu",))  # load_engine passes no device_map yet
 
     def __init__(self, model_dir: str, taps: Taps, *, argmax: bool = True, dtype: str = "bfloat16", threads: int | None = None,
                  device_map: str | None = None):

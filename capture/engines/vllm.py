@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from capture.engines import resolve_vllm_path
-from capture.engines.base import Captured, Generated, Sampling
+from capture.engines.base import Capabilities, Captured, Generated, Sampling
 from capture.errors import CaptureError
 from capture.targets import Taps
 
@@ -91,6 +91,8 @@ class VLLMEngine:
     """
 
     name = "vllm"
+    capabilities = Capabilities(generates=True, own_batching=True, devices=("cpu", "cuda"), gpus_per_tp_rank=True,
+                                options=("vllm_path", "tp", "max_model_len", "gpu_memory_utilization", "vllm_args"))
 
     def __init__(self, model_dir: str, taps: Taps, *, argmax: bool = True, dtype: str = "bfloat16",
                  path: str = "auto", engine_args: dict[str, Any] | None = None, seed: int = 0):

@@ -1,0 +1,141 @@
+"""One stored row both ways: :func:`record_batch` encodes :class:`Row`\\ s into an Arrow record batch and
+:func:`read_row` decodes a row of a shard table back into the same :class:`Row` (its declared inverse:
+``read_row(record_batch(schema, rows), i) == rows[i]``, bit for bit for lossless codecs; tested).
+
+Every reader decodes rows here: the stream (:mod:`shards.stream`), recode, ``shards head``, export and
+Ray Data. A state cell alone decodes with :func:`state_tensor`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Callable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from shards import codecs
+from shards.format import METADATA_KEY, STATE_TYPE, FormatError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One conversation as stored. Arrays: ``input_ids`` int32 ``[T]``, ``loss_mask`` bool ``[T]``,
+    ``argmax`` int32 ``[T]`` or None, ``states`` column → ``[T, H]`` tensor (bf16 or fp16);
+    ``finish_reasons``: one ``"stop"``/``"length"`` per generated turn (regenerate mode), else None."""
+
+    sample_id: str
+    source: str
+    row_index: int
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    argmax: np.ndarray | None
+    states: dict[str, torch.Tensor]
+    token_sha256: str
+    finish_reasons: tuple[str, ...] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def to_dict(self) -> dict:
+        """Flat view, one key per shard column: ids, mask and argmax as numpy arrays (argmax only when
+        stored), states under their column names, ``num_tokens`` / ``num_loss_tokens``,
+        ``finish_reasons`` as a list of strings or None."""
+        out = {"sample_id": self.sample_id, "source": self.source, "row_index": self.row_index,
+               "input_ids": self.input_ids, "loss_mask": self.loss_mask, "num_tokens": self.num_tokens,
+               "num_loss_tokens": self.num_loss_tokens, "token_sha256": self.token_sha256,
+               "finish_reasons": None if self.finish_reasons is None else list(self.finish_reasons)}
+        if self.argmax is not None:
+            out["argmax"] = self.argmax
+        return out | self.states
+
+
+def _list_array(arrays: Sequence[np.ndarray], value_type: pa.DataType) -> pa.Array:
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum([len(a) for a in arrays], out=offsets[1:])
+    values = pa.array(np.concatenate(arrays) if arrays else np.zeros(0), type=value_type)
+    return pa.ListArray.from_arrays(pa.array(offsets), values)
+
+
+def record_batch(schema: pa.Schema, rows: Sequence[Row], encode: Callable | None = None) -> pa.RecordBatch:
+    """Rows → one Arrow record batch with ``schema``'s columns (:func:`shards.format.schema`). ``encode``
+    maps a list of ``[T, H]`` tensors to their cells (default: the run codec, one thread)."""
+    codec = json.loads(schema.metadata[METADATA_KEY])["codec"]
+    encode = encode or (lambda tensors: [codecs.encode(codec, t) for t in tensors])
+    cols: dict[str, pa.Array] = {
+        "sample_id": pa.array([r.sample_id for r in rows], pa.string()),
+        "source": pa.array([r.source for r in rows], pa.string()),
+        "row_index": pa.array([r.row_index for r in rows], pa.int64()),
+        "input_ids": _list_array([r.input_ids for r in rows], pa.int32()),
+        "loss_mask": _list_array([r.loss_mask for r in rows], pa.bool_()),
+        "num_tokens": pa.array([r.num_tokens for r in rows], pa.int32()),
+        "num_loss_tokens": pa.array([r.num_loss_tokens for r in rows], pa.int32()),
+        "token_sha256": pa.array([r.token_sha256 for r in rows], pa.string()),
+    }
+    if "argmax" in schema.names:
+        cols["argmax"] = _list_array([r.argmax for r in rows], pa.int32())
+    if "finish_reasons" in schema.names:
+        reasons = [None if r.finish_reasons is None else list(r.finish_reasons) for r in rows]
+        cols["finish_reasons"] = pa.array(reasons, pa.list_(pa.string()))
+    for name in schema.names:
+        if schema.field(name).type == STATE_TYPE:
+            cols[name] = pa.array(encode([r.states[name] for r in rows]), type=STATE_TYPE)
+    return pa.RecordBatch.from_arrays([cols[n] for n in schema.names], schema=schema)
+
+
+def state_columns(table: pa.Table | pa.RecordBatch) -> list[str]:
+    """The state columns (``tap_<k>``, ``final``) a table holds, in schema order."""
+    return [f.name for f in table.schema if f.type == STATE_TYPE]
+
+
+def state_tensor(table: pa.Table | pa.RecordBatch, column: str, row: int) -> torch.Tensor:
+    """States of ``column`` for ``row``: a ``[T, H]`` tensor of the recorded dtype (bf16 or fp16), decoded
+    by the recorded codec (:mod:`shards.codecs`) straight from the Arrow buffer (no widening to float32,
+    no per-element Python). ``table`` must include ``num_tokens``. Raises FormatError without it and
+    ValueError (or zstd's error) for a cell that does not decode to ``[T, H]``."""
+    meta = table.schema.field(column).metadata
+    hidden = int(meta[b"shape"].decode().strip("[]").split(",")[1])
+    if "num_tokens" not in table.column_names:
+        raise FormatError(f"decoding {column} needs the num_tokens column; read it too")
+    tokens = table.column("num_tokens")[row].as_py()
+    cell = table.column(column)[row].as_buffer()
+    return codecs.decode(meta[b"codec"].decode(), cell, tokens, hidden, DTYPES[meta[b"dtype"].decode()])
+
+
+def read_row(table: pa.Table | pa.RecordBatch, i: int, states: Sequence[str] | None = None) -> Row:
+    """Row ``i`` of a shard table as the :class:`Row` :func:`record_batch` was given: ids int32, mask
+    bool and argmax int32 (None when not stored) as numpy arrays, ``states`` decoded by
+    :func:`state_tensor` (default every state column the table holds; ``[]`` none), finish reasons a
+    tuple or None (also for shards from before the column existed). ``num_tokens`` is recomputed from
+    the ids, so a table without that column decodes too (e.g. a Ray Data batch)."""
+    if "num_tokens" not in table.column_names and (states is None or states):
+        import pyarrow.compute as pc
+
+        table = pa.table(table) if isinstance(table, pa.RecordBatch) else table
+        table = table.append_column("num_tokens", pc.list_value_length(table.column("input_ids")).cast(pa.int32()))
+
+    def values(name: str, dtype) -> np.ndarray:
+        return table.column(name)[i].values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+
+    names = table.column_names
+    reasons = table.column("finish_reasons")[i].as_py() if "finish_reasons" in names else None
+    return Row(
+        sample_id=table.column("sample_id")[i].as_py(),
+        source=table.column("source")[i].as_py(),
+        row_index=table.column("row_index")[i].as_py(),
+        input_ids=values("input_ids", np.int32),
+        loss_mask=values("loss_mask", np.bool_),
+        argmax=values("argmax", np.int32) if "argmax" in names else None,
+        states={c: state_tensor(table, c, i) for c in (state_columns(table) if states is None else states)},
+        token_sha256=table.column("token_sha256")[i].as_py(),
+        finish_reasons=None if reasons is None else tuple(reasons),
+    )
