@@ -32,6 +32,7 @@ from typing import Literal
 
 from capture.errors import CaptureError
 from capture.hashing import sha256_file_once
+from shards.format import FINAL, tap_column
 
 Final = Literal["none", "post-norm", "pre-norm"]
 TAP_CONVENTION = "tap k = output of decoder layer k (0-based), before the final norm; HF hidden_states[k+1]; vLLM aux id k+1"
@@ -130,7 +131,7 @@ class Taps:
     @property
     def columns(self) -> tuple[str, ...]:
         """Shard column names, in storage order: ``tap_<k>`` per layer, then ``final`` if stored."""
-        return tuple(f"tap_{k}" for k in self.layers) + (("final",) if self.final != "none" else ())
+        return tuple(tap_column(k) for k in self.layers) + ((FINAL,) if self.final != "none" else ())
 
     def describe(self) -> dict:
         return {

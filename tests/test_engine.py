@@ -56,7 +56,8 @@ def test_last_layer_tap_is_raw_output_not_hf_last_entry(engine, records, referen
 
 
 def test_padded_batch_within_bf16_tolerance(engine, records, reference):
-    """Right padding never lets a real token see a pad; batch shapes change bf16 kernels slightly."""
+    """Right padding never lets a real token see a pad; batch shapes change bf16 kernels slightly, so the greedy
+    token flips only at near-ties."""
     batch = engine.forward(records)
     cos = torch.nn.functional.cosine_similarity
     for got, ids, (hs, logits) in zip(batch, records, reference):
@@ -64,7 +65,13 @@ def test_padded_batch_within_bf16_tolerance(engine, records, reference):
         for k in (0, 3, 15):
             c = cos(got.states[f"tap_{k}"].float(), hs[k + 1][0].float(), dim=-1)
             assert c.min() >= 0.999, (k, c.min())
-        assert (got.argmax == logits.argmax(-1).numpy()).mean() >= 0.98
+        ref = logits.argmax(-1).numpy()
+        assert (got.argmax == ref).mean() >= 0.95
+        # where the padded batch's greedy token differs, the unpadded forward scored both within a bf16 step
+        # or two (measured on an AVX-512/AMX CPU: gaps 0 to 0.25 logits at 2-3% of positions; AVX2: < 2%)
+        bad = np.flatnonzero(got.argmax != ref)
+        gaps = logits.float()[bad, ref[bad]] - logits.float()[bad, got.argmax[bad]]
+        assert bool((gaps <= 0.5).all()), gaps
 
 
 def test_pre_norm_final_and_early_stop(smol_dir, records, reference):

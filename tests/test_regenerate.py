@@ -15,6 +15,7 @@ from shards.reader import iter_rows, read_table
 IM_END = 2  # SmolLM2's <|im_end|>: its EOS and ChatML's end-of-turn token
 # Real ShareGPT rows: 1, 2 and 18 run past 16 new tokens; SmolLM2 answers 24 in 12 tokens; 41 has 6 turns,
 # and greedy SmolLM2 ends its first four answers within 32 tokens (13: two of five).
+NEAR_TIE = 0.5  # logits: greedy choices this close may flip between bf16 kernels of different batch shapes
 LAST_ROWS = ("sharegpt:1", "sharegpt:2", "sharegpt:18", "sharegpt:24", "sharegpt:41")
 EVERY_ROWS = ("sharegpt:13", "sharegpt:41")
 
@@ -170,19 +171,32 @@ def test_every_turn_is_conditioned_on_the_targets_own_answers(tmp_path, smol_dir
 
 def test_left_padded_batch_generates_what_each_prompt_generates_alone(encoder, engine, model):
     """HFEngine.generate: one left-padded batch of prompts of different lengths, greedy, cut after the first stop
-    id; here every answer equals the unbatched generate of its prompt (bf16 kernels of another batch shape
-    could in rare cases change one)."""
+    id. Each answer equals the unbatched generate of its prompt up to where the two first differ, and they may
+    differ only at a near-tie: bf16 kernels of another batch shape move logits by a bf16 step or two (on an
+    AVX-512/AMX CPU two of these five answers flip at a gap of 0.06 and 0.125 logits; on AVX2 none did)."""
     from capture.engines.base import Sampling
 
     prompts = [encoder.encode_prompt(c, "last").segments[0] for c in sharegpt(LAST_ROWS)]
     assert len({len(p) for p in prompts}) == len(prompts)
     got = engine.generate(prompts, Sampling(max_new_tokens=16), [IM_END])
+    identical = 0
     for prompt, gen in zip(prompts, got):
-        np.testing.assert_array_equal(gen.token_ids, greedy(model, prompt, 16))
+        alone = greedy(model, prompt, 16)
+        n = min(len(alone), len(gen.token_ids))
+        differ = np.flatnonzero(alone[:n] != gen.token_ids[:n])
+        if not differ.size:
+            np.testing.assert_array_equal(gen.token_ids, alone)
+            identical += 1
+        else:
+            j = int(differ[0])
+            with torch.inference_mode():
+                ctx = torch.from_numpy(np.concatenate([prompt, alone[:j]]).astype(np.int64))[None]
+                logits = model(ctx).logits[0, -1].float()
+            assert float(logits[alone[j]] - logits[gen.token_ids[j]]) <= NEAR_TIE, (len(prompt), j)
         assert gen.token_ids.dtype == np.int32
         assert gen.finish_reason == ("stop" if gen.token_ids[-1] == IM_END else "length")
         assert gen.finish_reason == "stop" or len(gen.token_ids) == 16
-    assert {g.finish_reason for g in got} == {"stop", "length"}
+    assert {g.finish_reason for g in got} == {"stop", "length"} and identical >= len(prompts) // 2
     sampled = Sampling(temperature=0.8, top_p=0.9, max_new_tokens=16, seed=3)
     again = [engine.generate(prompts[:2], sampled, [IM_END]) for _ in range(2)]
     assert all(np.array_equal(a.token_ids, b.token_ids) for a, b in zip(*again))  # seeded per call

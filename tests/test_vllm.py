@@ -224,7 +224,7 @@ def test_cli_run_with_vllm(tmp_path, sample_jsonl, encoder, smol_dir):
     assert "enable_prefix_caching=True overridden to False" in proc.stderr
     table = pa.concat_tables([read_table(p) for p in shard_paths(out)])
     head = read_header(table.schema)
-    assert head["engine"]["name"] == "vllm" and head["engine"]["path"] == "extract"
+    assert head.engine["name"] == "vllm" and head.engine["path"] == "extract"
     expected = {}
     for conv in iter_conversations(resolve_dataset(str(sample_jsonl)), ReadStats(), limit=6):
         rec = encoder.encode(conv)

@@ -32,6 +32,7 @@ import numpy as np
 from capture.engines.base import Capabilities, Captured, Generated, Sampling
 from capture.errors import CaptureError
 from capture.targets import Taps
+from shards.format import tap_column
 
 FP16_CLAMP = 65504.0
 
@@ -49,7 +50,7 @@ def check_exl3() -> None:
 def export_indices(taps: Taps, num_layers: int) -> dict[str, int]:
     """Column → exllamav3 block index: tap k → k; ``final`` pre-norm → L-1 (post-norm comes from the
     final norm's export key instead and is not in this map)."""
-    out = {f"tap_{k}": k for k in taps.layers}
+    out = {tap_column(k): k for k in taps.layers}
     if taps.final == "pre-norm":
         out["final"] = num_layers - 1
     return out

@@ -37,6 +37,7 @@ import torch
 
 from capture.engines.base import Capabilities, Captured, Generated, Sampling
 from capture.targets import Taps, reduce_streams
+from shards.format import tap_column
 
 __all__ = ["Captured", "Generated", "HFEngine", "Sampling"]
 
@@ -88,7 +89,7 @@ class HFEngine:
         self._saved: dict[str, torch.Tensor] = {}
         self._capturing = False
         self._stop_after = self._last_needed_layer()
-        self._hooks = [self.layers[k].register_forward_hook(self._saver(f"tap_{k}", k)) for k in taps.layers]
+        self._hooks = [self.layers[k].register_forward_hook(self._saver(tap_column(k), k)) for k in taps.layers]
         if taps.final == "pre-norm":
             self._hooks.append(self.layers[-1].register_forward_hook(self._saver("final", self.num_layers - 1)))
         elif taps.final == "post-norm":

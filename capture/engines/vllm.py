@@ -41,6 +41,7 @@ from capture.engines import resolve_vllm_path
 from capture.engines.base import Capabilities, Captured, Generated, Sampling
 from capture.errors import CaptureError
 from capture.targets import Taps
+from shards.format import tap_column
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def aux_ids(taps: Taps, num_layers: int) -> tuple[list[int], dict[str, int]]:
     """Sorted unique vLLM aux layer ids for ``taps`` and each column's row in the ``[T, L, H]`` slab.
     Tap k → id k+1; the final state (pre- or post-norm) → id ``num_layers`` (pre-norm output of the
     last layer; post-norm is applied afterwards)."""
-    wanted = {f"tap_{k}": k + 1 for k in taps.layers}
+    wanted = {tap_column(k): k + 1 for k in taps.layers}
     if taps.final != "none":
         wanted["final"] = num_layers
     ids = sorted(set(wanted.values()))
