@@ -9,7 +9,7 @@ Per sample (the contract a drafter trainer relies on)::
      "final": bf16 [T, H]           (if the run stored it; ShardStream.final_kind says post-norm or pre-norm)}
 
 States keep the run's dtype (bf16; fp16 for engines that give fp16): each cell is decoded by
-:func:`shards.reader.state_tensor` straight from the Arrow buffer, never widened to float32.
+:func:`shards.rows.state_tensor` straight from the Arrow buffer, never widened to float32.
 ``taps[:, i]`` is tap ``taps_layers[i]``, the output of 0-based decoder layer ``taps_layers[i]`` (HF
 ``hidden_states[k+1]``, vLLM aux id ``k+1``; see docs/conventions.md).
 
