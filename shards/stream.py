@@ -36,6 +36,17 @@ process, the stream counts what it yielded; behind DataLoader workers, the train
 began). Call :meth:`ShardStream.set_epoch` at the start of each epoch (a new epoch starts at position 0;
 the loaded epoch keeps its position).
 
+**Persistent workers.** ``DataLoader(stream, ..., persistent_workers=True)`` works: one loader for the
+whole run, ``set_epoch`` / ``load_state_dict`` called in the main process before each ``iter(loader)``.
+Such workers copy the dataset once, when they start, so a plain attribute set later in the main process
+would never reach them (they would repeat the first epoch's order). The epoch, the resume position and
+the committed-shard count therefore live in a small int64 tensor in shared memory
+(``share_memory_()``), which the main-process object and every worker see, with the ``fork`` and with
+the ``spawn``/``forkserver`` start methods (torch's DataLoader pickling passes shared tensors by handle).
+A worker reads them when the DataLoader restarts it, at ``iter(loader)``; the rest of a stream's
+settings are fixed at construction. A copy made with :mod:`pickle` or :func:`copy.deepcopy` gets its
+own shared state (it does not follow the original).
+
 **Tail mode** (``tail=True``) follows a run a capture is still writing: it polls ``manifest.jsonl`` every
 ``poll_s`` seconds, reads each newly committed shard line (a torn last line is not committed), and stops
 when the manifest's last line is a completion record and every committed shard is read. Shards come in
@@ -70,6 +81,7 @@ from shards.rows import read_row
 from shards.run import Location, as_location
 
 SPLITS = ("train", "heldout", "all")
+_EPOCH, _POSITION, _SHARDS = 0, 1, 2  # slots of ShardStream._shared
 
 
 def heldout_score(sample_id: str) -> float:
@@ -136,13 +148,15 @@ class ShardStream(IterableDataset):
         self.rank, self.world_size = _rank(rank, world_size)
         self.drop_last, self.tail, self.poll_s, self.timeout_s = drop_last, tail, poll_s, timeout_s
         self.open_shards = open_shards
-        self.epoch, self.position, self._next = 0, 0, 0
 
         manifest = self._wait_for_header() if tail else manifest_mod.read(self.location)
         if manifest.header is None:
             raise CaptureError(f"{run} holds no capture run (no {self.location.manifest_name} with a header)")
         self.header: RunHeader = manifest.header
-        self._shards = [] if tail else list(manifest.shards)
+        self._snapshot: list[dict] = [] if tail else list(manifest.shards)
+        # epoch, position, shard count: shared with DataLoader workers, persistent ones included (module docstring)
+        self._shared = torch.tensor([0, 0, len(self._snapshot)], dtype=torch.int64).share_memory_()
+        self._next = 0  # what this process yielded (in-process iteration; each worker counts its own)
         taps = list(self.header.tap_layers)
         wanted = taps if layers is None else [int(k) for k in layers]
         missing = [k for k in wanted if k not in taps]
@@ -151,6 +165,39 @@ class ShardStream(IterableDataset):
         self.taps_layers: tuple[int, ...] = tuple(wanted)
         self.final_kind: str | None = self.header.final_kind if final else None
         self.has_argmax: bool = self.header.argmax
+
+    # ---------------------------------------------------------------- state shared with workers
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration reads (shared with DataLoader workers)."""
+        return int(self._shared[_EPOCH])
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self._shared[_EPOCH] = int(value)
+
+    @property
+    def position(self) -> int:
+        """This rank's samples of the epoch skipped by the next iteration (the resume point; shared with
+        DataLoader workers)."""
+        return int(self._shared[_POSITION])
+
+    @position.setter
+    def position(self, value: int) -> None:
+        self._shared[_POSITION] = int(value)
+
+    @property
+    def _shards(self) -> list[dict]:
+        """The committed shards an epoch reads: the construction snapshot, cut by a loaded state."""
+        return self._snapshot[: int(self._shared[_SHARDS])]
+
+    def __setstate__(self, state: dict) -> None:
+        # A plain pickle copies the tensor into ordinary memory; share it again so the copy works behind
+        # fork workers too. (Unpickled by torch's DataLoader/multiprocessing it is already the shared one.)
+        self.__dict__.update(state)
+        if not self._shared.is_shared():
+            self._shared.share_memory_()
 
     # ---------------------------------------------------------------- order
 
@@ -220,10 +267,10 @@ class ShardStream(IterableDataset):
     def __iter__(self) -> Iterator[dict]:
         worker = get_worker_info()
         wid, workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
-        start = self.position
+        epoch, start, _ = self._shared.tolist()  # read once: the main process may move on meanwhile
         self._next = start
         tables = _TableCache(self.location, self.open_shards)
-        for g, (path, row, _) in enumerate(self._entries(self.epoch)):
+        for g, (path, row, _) in enumerate(self._entries(epoch)):
             if g % self.world_size != self.rank:
                 continue
             j = g // self.world_size
@@ -244,7 +291,7 @@ class ShardStream(IterableDataset):
         current epoch keeps its resume position, so ``for e in range(state["epoch"], n): set_epoch(e)``
         continues a loaded state."""
         if int(epoch) != self.epoch:
-            self.epoch, self.position, self._next = int(epoch), 0, 0
+            self._shared[_EPOCH], self._shared[_POSITION], self._next = int(epoch), 0, 0
 
     def state_dict(self, consumed: int | None = None) -> dict:
         """What :meth:`load_state_dict` needs to continue exactly: ``epoch`` and ``position`` (this rank's
@@ -264,10 +311,10 @@ class ShardStream(IterableDataset):
             raise CaptureError(f"saved stream state differs in {', '.join(diff)}; it cannot resume this stream")
         if not self.tail:
             n = state["shards"]["count"]
-            if n > len(self._shards) or _fingerprint(self._shards[:n]) != state["shards"]["fingerprint"]:
+            if n > len(self._snapshot) or _fingerprint(self._snapshot[:n]) != state["shards"]["fingerprint"]:
                 raise CaptureError("the run's committed shards do not start with the ones this state was saved over")
-            self._shards = self._shards[:n]
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+            self._shared[_SHARDS] = n
+        self._shared[_EPOCH], self._shared[_POSITION] = int(state["epoch"]), int(state["position"])
         self._next = self.position
 
     def _order_settings(self) -> dict:
@@ -321,33 +368,9 @@ class _TableCache:
         return self.tables[path]
 
 
-def hf_dataset(run: str | os.PathLike | Location, *, split: str = "all", heldout_fraction: float = 0.01,
-               columns: Sequence[str] | None = None):
-    """The run's rows as a Hugging Face ``datasets.Dataset`` (zero-copy over the memory-mapped shards):
-    by default every column but the states (``sample_id``, ``source``, ``row_index``, ``input_ids``,
-    ``loss_mask``, ``argmax``, ``num_tokens``, ...), in manifest order, filtered by ``split`` as
-    :func:`in_split`. A state column may be named in ``columns``: it comes as the encoded cell bytes
-    (decode with :func:`shards.codecs.decode`); for decoded states use :class:`ShardStream`.
-    Raises CaptureError for a folder without a run or an unknown column."""
-    import datasets
-    from datasets.table import InMemoryTable
+def __getattr__(name: str):
+    if name == "hf_dataset":  # moved to shards.hf; kept importable from here for old callers
+        from shards.hf import hf_dataset
 
-    loc = as_location(run)
-    manifest = manifest_mod.read(loc)
-    if manifest.header is None:
-        raise CaptureError(f"{run} holds no capture run (no {loc.manifest_name} with a header)")
-    tables = []
-    for shard in manifest.shards:
-        table = loc.read_table(shard["path"])  # local: memory-mapped, unselected columns are never touched
-        states = set(manifest.header.columns)
-        cols = list(columns) if columns is not None else [c for c in table.column_names if c not in states]
-        unknown = [c for c in cols if c not in table.column_names]
-        if unknown:
-            raise CaptureError(f"no column(s) {unknown} in {run}; it has {', '.join(table.column_names)}")
-        table = table.select(cols)
-        keep = [in_split(sid, split, heldout_fraction) for sid in shard["sample_ids"]]
-        tables.append(table.filter(pa.array(keep, pa.bool_())))
-    if not tables:
-        raise CaptureError(f"{run} has no committed shard yet")
-    table = pa.concat_tables(tables).replace_schema_metadata(None)
-    return datasets.Dataset(InMemoryTable(table))
+        return hf_dataset
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

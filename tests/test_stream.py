@@ -1,11 +1,13 @@
-"""shards.stream (ShardStream, hf_dataset) and shards.pack on a real run (SmolLM2 over ShareGPT rows, the
-session fixture ``reader_run``): contract and bit-exact states, ranks x workers, shuffle, resume,
-split, tail mode against a writer thread, pyarrow file systems, packing."""
+"""shards.stream (ShardStream), shards.hf.hf_dataset's split and shards.pack on a real run (SmolLM2 over
+ShareGPT rows, the session fixture ``reader_run``): contract and bit-exact states, ranks x workers,
+shuffle, resume, persistent DataLoader workers (fork and spawn), split, tail mode against a writer
+thread, pyarrow file systems, packing."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import threading
 import time
 
@@ -24,7 +26,8 @@ from shards.pack import pack
 from shards.reader import read_table, shard_paths
 from shards.rows import state_tensor
 from shards.run import Location
-from shards.stream import ShardStream, heldout_score, hf_dataset
+from shards.hf import hf_dataset
+from shards.stream import ShardStream, heldout_score
 from shards.writer import ShardWriter
 
 
@@ -130,6 +133,44 @@ def test_resume_reproduces_the_rest_of_the_epoch(reader_run):
 
     with pytest.raises(CaptureError, match="seed"):
         ShardStream(reader_run, **{**kw, "seed": 12}).load_state_dict(state)
+
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_persistent_workers_follow_set_epoch_and_resume(reader_run, context):
+    """One DataLoader with persistent workers for every epoch: set_epoch and load_state_dict, called in the
+    main process before iter(loader), reach the running workers (epoch, position: shared memory)."""
+    kw = dict(shuffle=True, seed=5, shuffle_buffer=6, layers=[3], final=False)
+    stream = ShardStream(reader_run, **kw)
+    loader = DataLoader(stream, batch_size=None, num_workers=2, persistent_workers=True,
+                        multiprocessing_context=context)
+    orders, pids = [], set()
+    for epoch in range(3):
+        stream.set_epoch(epoch)
+        orders.append([s["sample_id"] for s in loader])
+        assert orders[-1] == stream.order(epoch)
+        pids.add(tuple(w.pid for w in loader._iterator._workers))
+    assert len(pids) == 1  # the same two worker processes served every epoch
+    assert orders[0] != orders[1] and orders[1] != orders[2] and orders[0] != orders[2]
+
+    # resume mid-epoch: a state saved by another stream (7 samples into epoch 4), loaded into this one
+    # while its workers are running, gives exactly the rest; the next epoch starts at its beginning
+    other = ShardStream(reader_run, **kw)
+    other.set_epoch(4)
+    it = iter(other)
+    head = [next(it)["sample_id"] for _ in range(7)]
+    stream.load_state_dict(json.loads(json.dumps(other.state_dict())))
+    rest = [s["sample_id"] for s in loader]
+    assert head + rest == stream.order(4) and len(rest) == len(stream) - 7
+    stream.set_epoch(5)
+    assert [s["sample_id"] for s in loader] == stream.order(5)
+    assert len({tuple(w.pid for w in loader._iterator._workers)} | pids) == 1
+
+    # a pickled copy reads the same order but keeps its own epoch and position
+    copy = pickle.loads(pickle.dumps(stream))
+    assert (copy.epoch, copy.position, copy.order()) == (5, 0, stream.order())
+    copy.set_epoch(6)
+    assert stream.epoch == 5 and [s["sample_id"] for s in copy] == stream.order(6)
 
 
 def test_split_by_sample_id_hash_is_stable_and_disjoint(reader_run):

@@ -1,0 +1,193 @@
+"""Hugging Face ``datasets`` over a run: :func:`hf_dataset`, and :func:`decoder` for the state cells.
+
+A ``datasets.Dataset`` does not keep the run header: ``Dataset.from_file`` on a shard keeps only its own
+``huggingface`` schema metadata, and a state column (``tap_<k>``, ``final``) is an opaque
+``large_binary`` cell (one ``[T, H]`` tensor encoded by the run's codec). :func:`decoder` takes the
+header from the run and gives a transform for ``Dataset.set_transform`` / ``with_transform`` that turns
+the rows into the sample dicts of :class:`shards.stream.ShardStream`, bit for bit::
+
+    ds = hf_dataset("runs/a", split="train", states=True)     # the one line
+    ds[0]["taps"]                                               # bf16 [T, L, H]
+
+    ds = datasets.Dataset.from_file("runs/a/shard-....arrow")   # one shard, header lost
+    ds = ds.with_transform(decoder("runs/a"))                   # or decoder("runs/a/shard-....arrow")
+
+Per sample (``ds[i]``; a slice ``ds[i:j]`` gives a list per key)::
+
+    {"sample_id": str, "source": str,
+     "input_ids": int64 [T], "loss_mask": bool [T],
+     "argmax": int64 [T]            (if the run stored it),
+     "taps": bf16 [T, L, H]         (the tap columns stacked in header order, or in ``layers`` order),
+     "final": bf16 [T, H]           (if the run stored it and ``final``)}
+
+States keep the run's dtype (bf16; fp16 for engines that give fp16). The transform decodes the cells
+that ``datasets`` hands it as Python ``bytes`` (one copy of each cell per access; ``ShardStream``
+decodes straight from the memory-mapped Arrow buffers and is the faster reader for training).
+``ds.with_format(...)`` or ``set_format`` replaces the transform: set it again afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import torch
+
+from capture.errors import CaptureError
+from shards import codecs
+from shards import manifest as manifest_mod
+from shards.format import FINAL, FormatError, RunHeader, read_header, tap_column
+from shards.rows import DTYPES
+from shards.run import Location, as_location
+from shards.stream import SPLITS, in_split
+
+SCALARS = ("sample_id", "source", "input_ids", "loss_mask")
+
+
+def run_header(run: str | os.PathLike | Location | RunHeader) -> RunHeader:
+    """The run header of ``run``: a run folder (path, URI or :class:`shards.run.Location`; read from its
+    manifest), one shard file of a run (read from its schema metadata), or a :class:`RunHeader` as is.
+    Raises CaptureError for a folder without a run, FormatError for a file that is not a capture shard
+    or has an unknown major format version."""
+    if isinstance(run, RunHeader):
+        return run
+    loc = as_location(run)
+    if loc.kind() == pafs.FileType.File:
+        try:
+            with loc.filesystem.open_input_stream(loc.path) as f:
+                return read_header(pa.ipc.open_stream(f).schema)
+        except (OSError, pa.ArrowInvalid) as e:
+            raise FormatError(f"cannot read a shard header from {run}: {e}") from None
+    manifest = manifest_mod.read(loc)
+    if manifest.header is None:
+        raise CaptureError(f"{run} holds no capture run (no {loc.manifest_name} with a header)")
+    return manifest.header
+
+
+class Decoder:
+    """A ``datasets`` transform (see :func:`decoder`): called with a batch ``{column: list}``, returns
+    ``{key: list}`` of the module docstring's sample contract, one entry per row. Picklable (DataLoader
+    workers can take a dataset that holds it).
+
+    ``header``: the run header; ``taps_layers``: the taps stacked into ``taps``, in that order;
+    ``final``: whether ``final`` is returned; ``columns``: the dataset columns it reads (pass them as
+    ``with_transform(dec, columns=dec.columns)`` so that ``datasets`` extracts no other state cells).
+    """
+
+    def __init__(self, header: RunHeader, layers: Sequence[int] | None = None, final: bool = True):
+        taps = list(header.tap_layers)
+        wanted = taps if layers is None else [int(k) for k in layers]
+        missing = [k for k in wanted if k not in taps]
+        if missing or not wanted:
+            raise CaptureError(f"no tap(s) {missing or wanted} in this run; it stored taps {taps}")
+        if header.dtype not in DTYPES:
+            raise FormatError(f"state dtype {header.dtype!r} is not one of {', '.join(DTYPES)}")
+        self.header = header
+        self.taps_layers: tuple[int, ...] = tuple(wanted)
+        self.final: bool = bool(final) and header.final_kind is not None
+        self.states: tuple[str, ...] = tuple(tap_column(k) for k in wanted) + ((FINAL,) if self.final else ())
+        self.columns: tuple[str, ...] = SCALARS + (("argmax",) if header.argmax else ()) + self.states
+
+    def __call__(self, batch: dict) -> dict[str, list]:
+        missing = [c for c in self.columns if c not in batch]
+        if missing:
+            raise CaptureError(f"the dataset lacks column(s) {missing} that decoding needs (it has "
+                               f"{', '.join(batch)}); hf_dataset(..., states=True) keeps them")
+        codec, hidden, dtype = self.header.codec, self.header.hidden_size, DTYPES[self.header.dtype]
+        n_taps = len(self.taps_layers)
+        out: dict[str, list] = {"sample_id": list(batch["sample_id"]), "source": list(batch["source"]),
+                                "input_ids": [], "loss_mask": []}
+        if self.header.argmax:
+            out["argmax"] = []
+        out["taps"] = []
+        if self.final:
+            out["final"] = []
+        for i, ids in enumerate(batch["input_ids"]):
+            tokens = len(ids)
+            out["input_ids"].append(torch.tensor(ids, dtype=torch.int64))
+            out["loss_mask"].append(torch.tensor(batch["loss_mask"][i], dtype=torch.bool))
+            if self.header.argmax:
+                out["argmax"].append(torch.tensor(batch["argmax"][i], dtype=torch.int64))
+            states = [codecs.decode(codec, batch[c][i], tokens, hidden, dtype) for c in self.states]
+            out["taps"].append(torch.stack(states[:n_taps], dim=1))
+            if self.final:
+                out["final"].append(states[n_taps])
+        return out
+
+    def __repr__(self) -> str:
+        return f"Decoder(taps_layers={self.taps_layers}, final={self.final}, codec={self.header.codec!r})"
+
+
+def decoder(run: str | os.PathLike | Location | RunHeader, layers: Sequence[int] | None = None,
+            final: bool = True) -> Decoder:
+    """A transform for ``datasets.Dataset.set_transform`` / ``with_transform`` that decodes a capture
+    dataset's rows into :class:`shards.stream.ShardStream`'s sample contract (module docstring):
+    ``input_ids`` int64 ``[T]``, ``loss_mask`` bool ``[T]``, ``argmax`` int64 ``[T]`` (if stored),
+    ``taps`` ``[T, L, H]`` in the run's dtype (bf16, or fp16), ``final`` ``[T, H]`` (if stored and
+    ``final``), plus ``sample_id`` and ``source``; the other columns are dropped.
+
+    ``run``: where the header comes from (:func:`run_header`: a run folder, path or URI, a shard file of
+    the run, or a RunHeader). ``layers``: the taps to stack, in that order (default all, header order).
+    ``final``: return the final state when the run stored it.
+
+    Raises CaptureError for a run without a header or a tap the run lacks (here), and, when the
+    transform runs, for a dataset lacking a column it needs (``sample_id``, ``source``, ``input_ids``,
+    ``loss_mask``, ``argmax`` if stored, the state columns); ValueError (or zstd's error) for a cell
+    that does not decode to ``[T, H]``.
+    """
+    return Decoder(run_header(run), layers, final)
+
+
+def hf_dataset(run: str | os.PathLike | Location, *, split: str = "all", heldout_fraction: float = 0.01,
+               columns: Sequence[str] | None = None, states: bool = False, layers: Sequence[int] | None = None,
+               final: bool = True):
+    """The run's rows as a Hugging Face ``datasets.Dataset`` (zero-copy over the memory-mapped shards), in
+    manifest order, filtered by ``split`` as :func:`shards.stream.in_split`.
+
+    ``states=False`` (default): plain columns, by default every column but the states (``sample_id``,
+    ``source``, ``row_index``, ``input_ids``, ``loss_mask``, ``argmax``, ``num_tokens``, ...), or those
+    named in ``columns``; a state column named there comes as its encoded cell bytes.
+
+    ``states=True``: the dataset also holds the state columns (the taps ``layers``, default all, and
+    ``final`` when stored and asked) and carries the :func:`decoder` transform, so that ``ds[i]`` is a
+    :class:`shards.stream.ShardStream` sample: ``input_ids`` int64 ``[T]``, ``loss_mask`` bool ``[T]``,
+    ``argmax`` int64 ``[T]``, ``taps`` bf16 ``[T, L, H]``, ``final`` bf16 ``[T, H]``, ``sample_id``,
+    ``source``. ``columns`` does not combine with it; ``layers`` / ``final`` apply only with it.
+
+    Raises CaptureError for a folder without a run or without committed shards, an unknown column or
+    split, a tap the run lacks, or ``columns`` with ``states=True``.
+    """
+    import datasets
+    from datasets.table import InMemoryTable
+
+    if states and columns is not None:
+        raise CaptureError("hf_dataset: states=True returns the decoded sample dicts; it takes no columns")
+    if not states and (layers is not None or not final):
+        raise CaptureError("hf_dataset: layers and final choose the decoded states; pass states=True")
+    loc = as_location(run)
+    manifest = manifest_mod.read(loc)
+    if manifest.header is None:
+        raise CaptureError(f"{run} holds no capture run (no {loc.manifest_name} with a header)")
+    dec = Decoder(manifest.header, layers, final) if states else None
+    if split not in SPLITS:
+        raise CaptureError(f"unknown split {split!r}; one of {', '.join(SPLITS)}")
+    state_columns = set(manifest.header.columns)
+    tables = []
+    for shard in manifest.shards:
+        table = loc.read_table(shard["path"])  # local: memory-mapped, unselected columns are never touched
+        if columns is not None:
+            cols = list(columns)
+        else:
+            cols = [c for c in table.column_names if c not in state_columns or (dec and c in dec.states)]
+        unknown = [c for c in cols if c not in table.column_names]
+        if unknown:
+            raise CaptureError(f"no column(s) {unknown} in {run}; it has {', '.join(table.column_names)}")
+        table = table.select(cols)
+        keep = [in_split(sid, split, heldout_fraction) for sid in shard["sample_ids"]]
+        tables.append(table.filter(pa.array(keep, pa.bool_())))
+    if not tables:
+        raise CaptureError(f"{run} has no committed shard yet")
+    ds = datasets.Dataset(InMemoryTable(pa.concat_tables(tables).replace_schema_metadata(None)))
+    return ds.with_transform(dec, columns=list(dec.columns)) if dec is not None else ds
