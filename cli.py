@@ -339,13 +339,26 @@ def shards_gc(run_dir, dry_run) -> None:
 @click.option("--split", default="all", show_default=True, type=click.Choice(["all", "train", "heldout"]),
               help="Rows by sample_id hash (shards.stream.in_split).")
 @click.option("--heldout-fraction", default=0.01, show_default=True, type=float)
+@click.option("--layers", help="Taps to export as aux states, in order, e.g. 3,15,27 (default: all; "
+              "SpecForge's EAGLE-3 takes exactly 3).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def export_cmd(run_dir, out, fmt, split, heldout_fraction, no_progress) -> None:
-    """Write RUN_DIR's samples as another trainer's per-sample files into OUT (a new folder)."""
+def export_cmd(run_dir, out, fmt, split, heldout_fraction, layers, no_progress) -> None:
+    """Write RUN_DIR's samples as another trainer's per-sample files into OUT (a new folder).
+
+    speculators gets the pre-norm final state in its last slot (it applies the final norm itself; from a
+    --final pre-norm run or a tap at layer L-1), specforge the post-norm one. OUT/export.json records the
+    layer ids each trainer wants (e.g. speculators' --target-layer-ids)."""
+    from capture.targets import parse_layers
     from shards.export import export
 
-    r = export(run_dir, out, fmt, split=split, heldout_fraction=heldout_fraction, progress=not no_progress)
+    r = export(run_dir, out, fmt, split=split, heldout_fraction=heldout_fraction, layers=parse_layers(layers),
+               progress=not no_progress)
+    for w in r["warnings"]:
+        click.echo(f"warning: {w}", err=True)
     click.echo(f"{r['out']}: {r['samples']} samples, {r['tokens']:,} tokens as {r['format']} files")
+    for name, t in r["trainers"].items():
+        ids = t.get("args") or f"eagle_aux_hidden_state_layer_ids={t['eagle_aux_hidden_state_layer_ids']}"
+        click.echo(f"{name}: {ids} (see {r['out']}/export.json)")
 
 
 @main.group("drafter")

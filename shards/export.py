@@ -1,63 +1,105 @@
 """Export a run into the per-sample files other drafter trainers read (``capture export``).
 
 Sample ``i`` is the i-th row of the run in manifest order (after the ``split`` filter); ``export.json``
-in the output folder maps every index to its ``sample_id`` and records the layer conventions below.
+in the output folder maps every index to its ``sample_id`` and records every convention below, with the
+layer ids and command-line values each trainer wants (``trainers``).
 
-**speculators** (vllm-project/speculators, ``speculators.train.data.ArrowDataset``; checked against its
-``src/speculators/train/data.py`` and ``data_generation/offline.py``): ``OUT`` is a Hugging Face dataset
-(``datasets.Dataset.save_to_disk``: ``input_ids`` int64 [T], ``loss_mask`` bool [T], ``seq_len``,
-``sample_id``) and ``OUT/hidden_states/hs_{i}.safetensors`` holds ``token_ids`` int64 [T] and
-``hidden_states`` [T, n, H] (the run's dtype, bf16), n = taps + 1: slots 0..L-1 are the taps in header
-order, slot L the final state. speculators trains on ``hidden_states[:, :-1]`` flattened (the aux
-states) and ``hidden_states[:, -1]`` (``verifier_last_hidden_states``). Its vLLM generator fills the
-slots with vLLM aux layer ids, where id i+1 is the output of decoder layer i (this project's tap i) and
-the last id L is the final state *before* the norm; a run stored with ``--final post-norm`` gives the
-post-norm state in the last slot (recorded in ``export.json``).
+Tap k is the output of 0-based decoder layer k: HF ``hidden_states[k+1]``, vLLM aux layer id ``k+1``,
+SGLang/SpecForge layer id ``k`` (SGLang captures the input of layer k+1). Each format follows its
+trainer's convention for the final state, checked against the released packages (tests/test_export.py
+loads the files with them and reproduces the stored ``argmax`` from their teacher logits):
 
-**specforge** (sgl-project/SpecForge, ``scripts/prepare_hidden_states.py`` and
-``specforge/data/preprocessing.py``): ``OUT/rows_{g}-{g+2000}/data_{i}.ckpt``, one ``torch.save`` dict
-per sample: ``input_ids`` int64 [T], ``loss_mask`` int64 [T] (0/1), ``aux_hidden_state`` [1, T, L*H] (the
-taps concatenated along the last dimension in header order: columns ``l*H:(l+1)*H`` are tap l) and
-``hidden_state`` [1, T, H] (the final state, which SpecForge captures after the final norm, as HF's
-``hidden_states[-1]``; a ``--final pre-norm`` run is exported as stored and recorded so).
+**speculators** 0.9 (``speculators.train.data.ArrowDataset``): ``OUT`` is a Hugging Face dataset saved
+with the torch format (``input_ids`` int64 [T], ``loss_mask`` bool [T], ``seq_len``, ``sample_id``;
+speculators compares ``input_ids`` with ``torch.equal``, so it must load as tensors) and
+``OUT/hidden_states/hs_{i}.safetensors`` holds ``token_ids`` int64 [T] and ``hidden_states`` [T, n, H]
+(the run's dtype): slots 0..n-2 are the aux taps in order, slot n-1 the **pre-norm** final state (the
+output of the last decoder layer, vLLM aux id L). speculators' trainer takes ``hidden_states[:, :-1]``
+flattened as the drafter input and builds its teacher as ``verifier_lm_head(verifier_norm(slot n-1))``:
+it applies the final norm itself, so a post-norm state there would be normed twice. The pre-norm state
+comes from the run's ``final`` column when captured ``--final pre-norm``, else from a tap at layer L-1
+(then not repeated among the aux slots unless ``layers`` names it); a run with neither is refused.
+Train with ``--target-layer-ids`` = the aux taps' vLLM ids (``trainers.speculators.target_layer_ids``).
 
-Tap k is the output of 0-based decoder layer k, HF ``hidden_states[k+1]``, vLLM aux id k+1. Both formats
-need the final state: a run without a ``final`` column is refused (``capture run --final post-norm``).
+**specforge** 0.2 (``specforge.data.preprocessing.process_offline_eagle3_sample`` and
+``process_offline_dflash_sample``, read by its ``OfflineManifestReader``):
+``OUT/rows_{g}-{g+2000}/data_{i}.ckpt``, one ``torch.save`` dict per sample: ``input_ids`` int64 [T],
+``loss_mask`` int64 [T] (0/1), ``aux_hidden_state`` [1, T, L*H] (the taps concatenated along the last
+dimension in order: columns ``l*H:(l+1)*H`` are tap l), ``hidden_state`` [1, T, H] and, for its DFlash
+and DSpark readers, ``hidden_states`` [T, L*H] (a view of the same storage: no extra bytes on disk).
+SpecForge's EAGLE-3 teacher is its ``TargetHead``, the lm_head alone, over ``hidden_state``: that must be
+the **post-norm** final state (``--final post-norm``); a run without it is refused. SpecForge's EAGLE-3
+draft takes exactly 3 aux layers: another count is exported with a warning (DFlash takes any number);
+pick three with ``layers``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from capture.errors import CaptureError
+from shards.format import FINAL, tap_column, tap_layer
 from shards.run import Location, as_location
 from shards.stream import ShardStream
 
+log = logging.getLogger(__name__)
+
 FORMATS = ("specforge", "speculators")
 SPECFORGE_GROUP = 2000  # SpecForge's file_group_size: data_{i} lives in rows_{g}-{g+2000}
+SPECFORGE_EAGLE3_TAPS = 3  # LlamaForCausalLMEagle3's fc takes target_hidden_size * 3
 
 
 def export(run: str | os.PathLike | Location, out: str | os.PathLike, fmt: str, *, split: str = "all",
-           heldout_fraction: float = 0.01, progress: bool = False) -> dict:
+           heldout_fraction: float = 0.01, layers: Sequence[int] | None = None, progress: bool = False) -> dict:
     """Write the run's samples (``split``: ``train``/``heldout``/``all``, see :func:`shards.stream.in_split`)
-    into the local folder ``out`` in format ``fmt`` (module docstring); ``run`` is a path, a URI or a Location. Returns ``{"format", "samples", "tokens", "out"}``.
+    into the local folder ``out`` in format ``fmt`` (module docstring); ``run`` is a path, a URI or a
+    Location; ``layers``: the taps to export as aux states, in that order (default: every tap, less the
+    one speculators' last slot takes). Returns ``{"format", "samples", "tokens", "out", "warnings", "trainers"}``.
 
-    Raises CaptureError for an unknown format, a run without a final state, or an ``out`` that exists and
-    is not empty (nothing is overwritten).
+    Raises CaptureError for an unknown format, a run without the final state the format's trainer needs
+    (speculators: pre-norm, specforge: post-norm), a tap the run lacks, an empty split, or an ``out``
+    that exists and is not empty (nothing is overwritten).
     """
     if fmt not in FORMATS:
         raise CaptureError(f"unknown export format {fmt!r}; one of {', '.join(FORMATS)}")
     loc = as_location(run)
-    stream = ShardStream(loc, split=split, heldout_fraction=heldout_fraction)
-    if stream.final_kind is None:
-        raise CaptureError(f"{fmt} files need the final state, which run {run} did not store; "
-                           "capture with --final post-norm")
+    probe = ShardStream(loc, split=split, heldout_fraction=heldout_fraction)
+    head = probe.header
+    num_layers = int(head.target.get("num_layers") or 0)
+    taps = list(head.tap_layers)
+    if layers is not None and (missing := [k for k in layers if k not in taps]):
+        raise CaptureError(f"no tap(s) {missing} in run {run}; it stored taps {taps}")
+
+    if fmt == "speculators":
+        final_from, aux = _speculators_plan(run, head.final_kind, taps, num_layers, layers)
+    else:
+        if head.final_kind != "post-norm":
+            raise CaptureError(
+                f"specforge files need the post-norm final state (SpecForge's EAGLE-3 teacher is lm_head alone "
+                f"over hidden_state); run {run} stored {head.final_kind or 'no final state'}: "
+                "capture with --final post-norm")
+        final_from, aux = FINAL, list(layers) if layers is not None else taps
+    if not aux:
+        raise CaptureError(f"run {run} has no tap left to export as aux states (taps {taps})")
+    warnings = []
+    if fmt == "specforge" and len(aux) != SPECFORGE_EAGLE3_TAPS:
+        warnings.append(f"SpecForge's EAGLE-3 draft takes exactly {SPECFORGE_EAGLE3_TAPS} aux layers; this export "
+                        f"has {len(aux)} (taps {aux}): EAGLE-3 cannot train on it, DFlash can; "
+                        "pick three with --layers")
+    for w in warnings:
+        log.warning("%s", w)
+
+    final_tap = tap_layer(final_from)  # None: the final column
+    wanted = sorted(set(aux) | ({final_tap} if final_tap is not None else set()))
+    stream = ShardStream(loc, split=split, heldout_fraction=heldout_fraction, layers=wanted, final=final_tap is None)
     if len(stream) == 0:
         raise CaptureError(f"run {run} has no committed samples in split {split!r}; nothing to export")
     out = Path(out)
@@ -67,64 +109,115 @@ def export(run: str | os.PathLike | Location, out: str | os.PathLike, fmt: str, 
         raise CaptureError(f"{out} is inside the run folder {run}; export into a folder outside it")
     out.mkdir(parents=True, exist_ok=True)
 
+    aux_slots = [wanted.index(k) for k in aux]
+    final_slot = None if final_tap is None else wanted.index(final_tap)
     write = _specforge if fmt == "specforge" else _speculators
     ids, tokens, rows = [], 0, []
     for i, sample in enumerate(tqdm(stream, total=len(stream), disable=not progress, unit="sample")):
-        rows.append(write(out, i, sample))
+        aux_states = sample["taps"][:, aux_slots]  # [T, L, H]
+        final = sample["final"] if final_slot is None else sample["taps"][:, final_slot]  # [T, H]
+        rows.append(write(out, i, sample, aux_states, final))
         ids.append(sample["sample_id"])
         tokens += len(sample["input_ids"])
     if fmt == "speculators":
-        import datasets
-
-        columns = {k: [r[k] for r in rows] for k in ("input_ids", "loss_mask", "seq_len", "sample_id")}
-        features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
-                                      "loss_mask": datasets.Sequence(datasets.Value("bool")),
-                                      "seq_len": datasets.Value("int64"), "sample_id": datasets.Value("string")})
-        bars = datasets.utils.is_progress_bar_enabled()
-        if not progress:
-            datasets.utils.disable_progress_bars()
-        try:
-            datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(out))
-        finally:
-            if bars:
-                datasets.utils.enable_progress_bars()
-    layers = list(stream.taps_layers)
+        _save_dataset(out, rows, progress)
     record = {
         "format": fmt, "run": str(run), "split": split, "heldout_fraction": heldout_fraction,
-        "samples": len(ids), "tokens": tokens, "sample_ids": ids, "dtype": stream.header.dtype,
-        "hidden_size": stream.header.hidden_size,
-        "taps": [{"slot": i, "tap": k, "decoder_layer": k, "hf_hidden_states_index": k + 1, "vllm_aux_layer_id": k + 1}
-                 for i, k in enumerate(layers)],
-        "final": stream.final_kind,
-        "convention": "tap k = output of 0-based decoder layer k (before the final norm); "
-                      + ("speculators hidden_states[:, :L] = taps in this order, [:, L] = final state"
-                         if fmt == "speculators" else
-                         "specforge aux_hidden_state[..., l*H:(l+1)*H] = tap l of this list, hidden_state = final state"),
+        "samples": len(ids), "tokens": tokens, "sample_ids": ids, "dtype": head.dtype,
+        "hidden_size": head.hidden_size, "num_layers": num_layers,
+        "taps": [{"slot": i, "tap": k, "decoder_layer": k, "hf_hidden_states_index": k + 1,
+                  "vllm_aux_layer_id": k + 1, "sglang_layer_id": k} for i, k in enumerate(aux)],
+        "final": {"kind": "pre-norm" if fmt == "speculators" else "post-norm", "from": final_from},
+        "convention": _convention(fmt, len(aux)),
+        "trainers": _trainers(fmt, aux, num_layers),
+        "warnings": warnings,
     }
     (out / "export.json").write_text(json.dumps(record, indent=1) + "\n")
-    return {"format": fmt, "samples": len(ids), "tokens": tokens, "out": str(out)}
+    return {"format": fmt, "samples": len(ids), "tokens": tokens, "out": str(out), "warnings": warnings,
+            "trainers": record["trainers"]}
 
 
-def _speculators(out: Path, i: int, sample: dict) -> dict:
+def _speculators_plan(run, final_kind: str | None, taps: list[int], num_layers: int,
+                      layers: Sequence[int] | None) -> tuple[str, list[int]]:
+    """(where the pre-norm final state comes from: ``final`` or ``tap_<L-1>``, the aux taps)."""
+    last = num_layers - 1
+    if final_kind == "pre-norm":
+        source = FINAL
+    elif last in taps:
+        source = tap_column(last)
+    else:
+        raise CaptureError(
+            f"speculators' trainer applies the target's final norm to the last slot itself (verifier_norm), so "
+            f"it needs the pre-norm final state; run {run} stored {final_kind or 'no final state'} and taps "
+            f"{taps}: capture with --final pre-norm (or a tap at layer {last})")
+    if layers is not None:
+        return source, list(layers)
+    return source, [k for k in taps if source == FINAL or k != last]
+
+
+def _convention(fmt: str, n: int) -> str:
+    base = "tap k = output of 0-based decoder layer k (before the final norm); "
+    if fmt == "speculators":
+        return base + (f"hidden_states[:, :{n}] = the taps in this order, hidden_states[:, {n}] = the pre-norm final "
+                       "state (speculators applies verifier_norm, then verifier_lm_head)")
+    return base + ("aux_hidden_state[..., l*H:(l+1)*H] = hidden_states[:, l*H:(l+1)*H] = tap l of this list; "
+                   "hidden_state = the post-norm final state (SpecForge's TargetHead is lm_head alone)")
+
+
+def _trainers(fmt: str, aux: list[int], num_layers: int) -> dict:
+    """What each trainer / server must be told about the layers (ids in its own numbering)."""
+    if fmt == "speculators":
+        ids = [k + 1 for k in aux]
+        return {"speculators": {
+            "target_layer_ids": ids,
+            "args": "--target-layer-ids " + ",".join(map(str, ids)),
+            "note": "speculators and vLLM number aux layers k+1 for the output of decoder layer k; the last slot is "
+                    f"vLLM's id {num_layers} (the pre-norm final state), not listed among target_layer_ids"}}
+    return {"specforge": {
+        "eagle_aux_hidden_state_layer_ids": list(aux),
+        "note": "SGLang/SpecForge number layer k for the output of decoder layer k (SGLang captures the input of "
+                "layer k+1); EAGLE-3 reads aux_hidden_state + hidden_state, DFlash/DSpark read hidden_states",
+        "eagle3_ready": len(aux) == SPECFORGE_EAGLE3_TAPS}}
+
+
+def _save_dataset(out: Path, rows: list[dict], progress: bool) -> None:
+    import datasets
+
+    columns = {k: [r[k] for r in rows] for k in ("input_ids", "loss_mask", "seq_len", "sample_id")}
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
+                                  "loss_mask": datasets.Sequence(datasets.Value("bool")),
+                                  "seq_len": datasets.Value("int64"), "sample_id": datasets.Value("string")})
+    bars = datasets.utils.is_progress_bar_enabled()
+    if not progress:
+        datasets.utils.disable_progress_bars()
+    try:  # the torch format is saved in state.json: load_from_disk gives tensors, as speculators needs
+        datasets.Dataset.from_dict(columns, features=features).with_format("torch").save_to_disk(str(out))
+    finally:
+        if bars:
+            datasets.utils.enable_progress_bars()
+
+
+def _speculators(out: Path, i: int, sample: dict, aux: torch.Tensor, final: torch.Tensor) -> dict:
     folder = out / "hidden_states"
     folder.mkdir(exist_ok=True)
-    states = torch.cat([sample["taps"], sample["final"][:, None]], dim=1)  # [T, L+1, H]
+    states = torch.cat([aux, final[:, None]], dim=1)  # [T, L+1, H]
     save_file({"token_ids": sample["input_ids"], "hidden_states": states.contiguous()},
               str(folder / f"hs_{i}.safetensors"))
     return {"input_ids": sample["input_ids"].tolist(), "loss_mask": sample["loss_mask"].tolist(),
             "seq_len": len(sample["input_ids"]), "sample_id": sample["sample_id"]}
 
 
-def _specforge(out: Path, i: int, sample: dict) -> dict:
+def _specforge(out: Path, i: int, sample: dict, aux: torch.Tensor, final: torch.Tensor) -> dict:
     g = i // SPECFORGE_GROUP * SPECFORGE_GROUP
     folder = out / f"rows_{g}-{g + SPECFORGE_GROUP}"
     folder.mkdir(exist_ok=True)
-    taps = sample["taps"]
+    flat = aux.reshape(1, aux.shape[0], -1).contiguous()  # [1, T, L*H]
     record = {
         "input_ids": sample["input_ids"],
         "loss_mask": sample["loss_mask"].long(),
-        "aux_hidden_state": taps.reshape(1, taps.shape[0], -1).contiguous(),  # [1, T, L*H]
-        "hidden_state": sample["final"][None].contiguous(),  # [1, T, H]
+        "aux_hidden_state": flat,
+        "hidden_states": flat[0],  # [T, L*H], same storage: torch.save writes it once
+        "hidden_state": final[None].contiguous(),  # [1, T, H]
     }
     torch.save(record, folder / f"data_{i}.ckpt")
     return {}

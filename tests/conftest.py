@@ -90,6 +90,17 @@ def reader_run(tmp_path_factory, smol_dir) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def prenorm_run(tmp_path_factory, smol_dir) -> Path:
+    """A real run with the pre-norm final state (what speculators' trainer expects): the first 16 ShareGPT
+    rows through SmolLM2, taps 3/15/27, ``--final pre-norm``, argmax, truncated to 256 tokens (~15 s)."""
+    out = tmp_path_factory.mktemp("prenorm") / "run"
+    capture_cli("run", "--target", "smollm2-135m", "--dataset", "sharegpt", "--layers", "3,15,27", "--final",
+                "pre-norm", "--limit", "16", "--max-tokens", "256", "--overlength", "truncate", "--out", str(out),
+                "--no-progress", check=True)
+    return out
+
+
 @pytest.fixture
 def good_run(tmp_path) -> tuple[Path, list[ShardInfo], list[Row]]:
     """A complete run of three shards of three random rows (tests/helpers.py, no model): for the verify and

@@ -3,6 +3,7 @@ with those projects' keys, shapes, dtypes and layer order, equal to the shard va
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -22,7 +23,7 @@ from shards.reader import read_table, shard_paths
 from shards.rows import state_tensor
 from shards.stream import ShardStream
 from shards.writer import ShardWriter
-from helpers import bits, real_rows
+from helpers import HEADER, bits, make_rows, real_rows, write_run
 
 TAPS = ("tap_3", "tap_15", "tap_27")
 
@@ -37,20 +38,22 @@ def stored(run) -> dict:
     return out
 
 
-def test_speculators_round_trip_through_the_cli(reader_run, tmp_path):
+def test_speculators_round_trip_through_the_cli(prenorm_run, tmp_path):
     out = tmp_path / "spec"
-    res = CliRunner().invoke(cli.main, ["export", str(reader_run), str(out), "--format", "speculators",
+    res = CliRunner().invoke(cli.main, ["export", str(prenorm_run), str(out), "--format", "speculators",
                                         "--split", "heldout", "--heldout-fraction", "0.3", "--no-progress"])
     assert res.exit_code == 0, res.output
     record = json.loads((out / "export.json").read_text())
-    held = ShardStream(reader_run, split="heldout", heldout_fraction=0.3).order()
+    held = ShardStream(prenorm_run, split="heldout", heldout_fraction=0.3).order()
     assert record["sample_ids"] == held and res.output.startswith(f"{out}: {len(held)} samples")
-    assert [(t["slot"], t["tap"], t["vllm_aux_layer_id"], t["hf_hidden_states_index"]) for t in record["taps"]] == [
-        (0, 3, 4, 4), (1, 15, 16, 16), (2, 27, 28, 28)]
-    assert record["final"] == "post-norm"
-    ds = datasets.load_from_disk(str(out))  # what speculators' ArrowDataset opens
-    assert ds["sample_id"] == held
-    rows = stored(reader_run)
+    assert [(t["slot"], t["tap"], t["vllm_aux_layer_id"], t["hf_hidden_states_index"], t["sglang_layer_id"])
+            for t in record["taps"]] == [(0, 3, 4, 4, 3), (1, 15, 16, 16, 15), (2, 27, 28, 28, 27)]
+    assert record["final"] == {"kind": "pre-norm", "from": "final"}
+    assert record["trainers"]["speculators"]["target_layer_ids"] == [4, 16, 28]
+    assert "speculators: --target-layer-ids 4,16,28" in res.output
+    ds = datasets.load_from_disk(str(out))  # what speculators' ArrowDataset opens: tensors, not lists
+    assert ds["sample_id"] == held and ds.format["type"] == "torch"
+    rows = stored(prenorm_run)
     for i, sid in enumerate(held):
         t, r = rows[sid]
         f = load_file(str(out / "hidden_states" / f"hs_{i}.safetensors"))
@@ -61,15 +64,93 @@ def test_speculators_round_trip_through_the_cli(reader_run, tmp_path):
         assert hs.dtype == torch.bfloat16 and hs.shape == (n, 4, 576)
         for slot, column in enumerate((*TAPS, "final")):
             assert torch.equal(bits(hs[:, slot]), bits(state_tensor(t, column, r)))
-        assert ds[i]["input_ids"] == f["token_ids"].tolist() and ds[i]["seq_len"] == n
-        assert ds[i]["loss_mask"] == t.column("loss_mask")[r].as_py()
-    # speculators' own reading: aux = hidden_states[:, :-1].flatten(1), verifier last = hidden_states[:, -1]
-    t, r = rows[held[0]]
-    hs = load_file(str(out / "hidden_states" / "hs_0.safetensors"))["hidden_states"]
-    assert torch.equal(bits(hs[:, :-1].flatten(1)[:, 576:1152]), bits(state_tensor(t, "tap_15", r)))
+        assert torch.equal(ds[i]["input_ids"], f["token_ids"]) and ds[i]["seq_len"] == n
+        assert ds[i]["loss_mask"].dtype == torch.bool and ds[i]["loss_mask"].tolist() == t.column("loss_mask")[r].as_py()
 
-    again = CliRunner().invoke(cli.main, ["export", str(reader_run), str(out), "--format", "speculators"])
+    again = CliRunner().invoke(cli.main, ["export", str(prenorm_run), str(out), "--format", "speculators"])
     assert again.exit_code == 2 and "not empty" in again.output
+
+
+def test_speculators_takes_the_pre_norm_state_from_tap_l_minus_1(tmp_path):
+    """A run without a pre-norm final but with a tap at layer L-1 (helpers' header: 4 layers, taps 1 and 3,
+    post-norm final): slot 0 is tap 1, the last slot tap 3 (not repeated among the aux slots)."""
+    run = tmp_path / "run"
+    rows = make_rows(3, 4)
+    write_run(run, [rows])
+    summary = export(run, tmp_path / "out", "speculators")
+    record = json.loads((tmp_path / "out" / "export.json").read_text())
+    assert [t["tap"] for t in record["taps"]] == [1] and record["final"] == {"kind": "pre-norm", "from": "tap_3"}
+    assert summary["trainers"]["speculators"]["target_layer_ids"] == [2]
+    by_id = {r.sample_id: r for r in rows}
+    for i, sid in enumerate(record["sample_ids"]):
+        hs = load_file(str(tmp_path / "out" / "hidden_states" / f"hs_{i}.safetensors"))["hidden_states"]
+        assert hs.shape == (by_id[sid].num_tokens, 2, HEADER.hidden_size)
+        assert torch.equal(bits(hs[:, 0]), bits(by_id[sid].states["tap_1"]))
+        assert torch.equal(bits(hs[:, 1]), bits(by_id[sid].states["tap_3"]))
+
+
+def test_speculators_release_reads_the_export_and_its_teacher_is_the_targets_argmax(prenorm_run, reader_run,
+                                                                                   smol_dir, tmp_path):
+    """speculators 0.9 from PyPI: its ArrowDataset reads the export, its EAGLE-3 model's teacher
+    ``verifier_lm_head(verifier_norm(last slot))`` reproduces the stored argmax, and one training step runs
+    on CPU. The same teacher over a post-norm final (normed twice, what exports before this fix wrote) does
+    not: the check can tell the two apart."""
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import ArrowDataset, CollateFn
+    from transformers import AutoConfig
+
+    out = tmp_path / "spec"
+    summary = export(prenorm_run, out, "speculators")
+    ds = ArrowDataset(max_len=4096, datapath=str(out), on_missing="raise")
+    assert len(ds) == summary["samples"]
+    verifier = AutoConfig.from_pretrained(smol_dir)
+    small = copy.deepcopy(verifier)
+    small.num_hidden_layers = 1  # a one-layer draft; verifier weights (norm, lm_head) are the real target's
+    model = Eagle3DraftModel.from_training_args(
+        small, verifier_name_or_path=str(smol_dir), draft_vocab_size=verifier.vocab_size,
+        target_layer_ids=summary["trainers"]["speculators"]["target_layer_ids"], norm_before_residual=False,
+        ttt_steps=2, draft_attn_impl="eager")  # FlexAttention has no backward on CPU
+    assert model.fc.in_features == 3 * 576
+
+    def teacher(last: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model.verifier_lm_head(model.verifier_norm(last.float())).argmax(-1)
+
+    rows = stored(prenorm_run)
+    agree = total = 0
+    for i, sid in enumerate(json.loads((out / "export.json").read_text())["sample_ids"]):
+        item = ds[i]
+        t, r = rows[sid]
+        n = t.column("num_tokens")[r].as_py()
+        assert item["hidden_states"].shape == (n, 3 * 576) and item["hidden_states"].dtype == torch.bfloat16
+        assert torch.equal(bits(item["verifier_last_hidden_states"]), bits(state_tensor(t, "final", r)))
+        assert item["input_ids"].tolist() == t.column("input_ids")[r].as_py()
+        argmax = torch.tensor(t.column("argmax")[r].as_py())
+        agree += int((teacher(item["verifier_last_hidden_states"]) == argmax).sum())
+        total += n
+    assert agree / total >= 0.95, (agree, total)  # bf16 states: near-ties may flip (measured 98%)
+
+    twice = stored(reader_run)  # post-norm final states, normed again by the teacher
+    wrong = [(teacher(state_tensor(t, "final", r)) == torch.tensor(t.column("argmax")[r].as_py())).float().mean()
+             for t, r in list(twice.values())[:8]]
+    assert float(torch.stack(wrong).mean()) < 0.8
+
+    collate = CollateFn(max_len=512, hidden_size=576, num_target_layers=3, dtype=torch.bfloat16,
+                        preprocess=shift_batch)
+    batch = collate([ds[0], ds[1]])
+    model = model.to(torch.bfloat16)
+    keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
+    _, loss, _ = model(**{k: batch[k] for k in keys}, ttt_steps=2, loss_config=resolve_loss_config("kl_div", "eager"))
+    loss.backward()
+    assert torch.isfinite(loss) and model.fc.weight.grad.abs().sum() > 0
+
+
+def test_speculators_refuses_a_post_norm_only_run(reader_run, tmp_path):
+    with pytest.raises(CaptureError, match="needs the pre-norm final state.*--final pre-norm"):
+        export(reader_run, tmp_path / "x", "speculators")
+    assert not (tmp_path / "x").exists()
 
 
 def test_specforge_round_trip(reader_run, tmp_path):
@@ -82,7 +163,7 @@ def test_specforge_round_trip(reader_run, tmp_path):
     for i, sid in enumerate(order):
         t, r = rows[sid]
         d = torch.load(out / "rows_0-2000" / f"data_{i}.ckpt", weights_only=True)
-        assert set(d) == {"input_ids", "loss_mask", "aux_hidden_state", "hidden_state"}
+        assert set(d) == {"input_ids", "loss_mask", "aux_hidden_state", "hidden_state", "hidden_states"}
         n = t.column("num_tokens")[r].as_py()
         assert d["input_ids"].dtype == torch.int64 and d["input_ids"].tolist() == t.column("input_ids")[r].as_py()
         assert d["loss_mask"].dtype == torch.int64 and d["loss_mask"].tolist() == [
@@ -91,8 +172,69 @@ def test_specforge_round_trip(reader_run, tmp_path):
         assert aux.dtype == torch.bfloat16 and aux.shape == (1, n, 3 * 576)
         for l, column in enumerate(TAPS):  # aux[..., l*H:(l+1)*H] is tap l in header order
             assert torch.equal(bits(aux[0, :, l * 576:(l + 1) * 576]), bits(state_tensor(t, column, r)))
+        assert torch.equal(bits(d["hidden_states"]), bits(aux[0]))  # DFlash/DSpark's key, [T, L*H]
         assert d["hidden_state"].shape == (1, n, 576)
         assert torch.equal(bits(d["hidden_state"][0]), bits(state_tensor(t, "final", r)))
+    # hidden_states shares aux_hidden_state's storage: the file holds the taps once
+    f = out / "rows_0-2000" / "data_0.ckpt"
+    n0 = stored(reader_run)[order[0]][0].column("num_tokens")[stored(reader_run)[order[0]][1]].as_py()
+    assert f.stat().st_size < n0 * 4 * 576 * 2 + 64 * 1024
+
+
+def test_specforge_release_reads_the_export_and_its_teacher_is_the_targets_argmax(reader_run, prenorm_run,
+                                                                                 smol_dir, tmp_path):
+    """specforge 0.2 from PyPI: its OfflineManifestReader lists the files, its EAGLE-3 and DFlash sample
+    normalizers read them, and its TargetHead (lm_head alone, with the target's weights) over the shifted
+    ``target`` reproduces the stored argmax. A pre-norm run is refused (its TargetHead has no norm)."""
+    from safetensors import safe_open
+    from specforge.data.preprocessing import process_offline_dflash_sample, process_offline_eagle3_sample
+    from specforge.modeling.target.target_head import TargetHead
+    from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
+
+    out = tmp_path / "sf"
+    export(reader_run, out, "specforge", layers=[3, 15, 27])
+    refs = OfflineManifestReader(str(out)).read()
+    assert len(refs) == len(ShardStream(reader_run))
+    head = TargetHead(str(smol_dir))
+    with safe_open(str(smol_dir / "model.safetensors"), framework="pt") as f:  # tied: lm_head = embed_tokens
+        head.fc.weight.data.copy_(f.get_tensor("model.embed_tokens.weight"))
+    rows = stored(reader_run)
+    order = json.loads((out / "export.json").read_text())["sample_ids"]
+    agree = total = 0
+    for ref in refs:
+        raw = torch.load(ref.feature_store_uri[len("file://"):], weights_only=True)
+        # the reader sorts paths as strings: file_index is its own count, the name holds our index
+        i = int(ref.feature_store_uri.rsplit("data_", 1)[1].split(".")[0])
+        t, r = rows[order[i]]
+        eagle = process_offline_eagle3_sample(dict(raw), max_len=4096)
+        assert eagle["hidden_state"].shape == (1, t.column("num_tokens")[r].as_py(), 3 * 576)
+        ids, target, mask = head.preprocess(eagle["input_ids"], eagle["target"], eagle["loss_mask"])
+        with torch.no_grad():
+            logits = head(target.float())  # [1, T, V]; position t holds lm_head(final[t+1])
+        argmax = torch.tensor(t.column("argmax")[r].as_py())
+        agree += int((logits[0, :-1].argmax(-1) == argmax[1:]).sum())
+        total += len(argmax) - 1
+        dflash = process_offline_dflash_sample(dict(raw), max_len=4096)
+        assert torch.equal(bits(dflash["hidden_states"][0]), bits(eagle["hidden_state"][0]))
+    assert agree / total >= 0.95, (agree, total)
+    with pytest.raises(CaptureError, match="specforge files need the post-norm final state"):
+        export(prenorm_run, tmp_path / "pre", "specforge")
+
+
+def test_specforge_warns_when_eagle3_cannot_take_the_taps(reader_run, tmp_path):
+    res = CliRunner().invoke(cli.main, ["export", str(reader_run), str(tmp_path / "two"), "--format", "specforge",
+                                        "--layers", "15,27", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert "warning: SpecForge's EAGLE-3 draft takes exactly 3 aux layers; this export has 2" in res.output
+    record = json.loads((tmp_path / "two" / "export.json").read_text())
+    assert [t["tap"] for t in record["taps"]] == [15, 27] and record["warnings"]
+    assert record["trainers"]["specforge"] == {**record["trainers"]["specforge"], "eagle3_ready": False,
+                                               "eagle_aux_hidden_state_layer_ids": [15, 27]}
+    d = torch.load(tmp_path / "two" / "rows_0-2000" / "data_0.ckpt", weights_only=True)
+    assert d["aux_hidden_state"].shape[-1] == 2 * 576
+    bad = CliRunner().invoke(cli.main, ["export", str(reader_run), str(tmp_path / "bad"), "--format", "specforge",
+                                        "--layers", "4"])
+    assert bad.exit_code == 2 and "no tap(s) [4]" in bad.output
 
 
 def test_export_refuses_bad_input(reader_run, tmp_path):
@@ -104,8 +246,10 @@ def test_export_refuses_bad_input(reader_run, tmp_path):
     rows = [dataclasses.replace(r, states={c: r.states[c] for c in TAPS}) for r in real_rows(reader_run)[:2]]
     sw.write(rows)
     mw.commit(sw.close()[0])
-    with pytest.raises(CaptureError, match="need the final state"):
+    with pytest.raises(CaptureError, match="need the post-norm final state.*stored no final state"):
         export(no_final, tmp_path / "x", "specforge")
+    with pytest.raises(CaptureError, match="needs the pre-norm final state.*stored no final state"):
+        export(no_final, tmp_path / "x", "speculators")
     with pytest.raises(CaptureError, match="unknown export format"):
         export(reader_run, tmp_path / "y", "eagle")
     res = CliRunner().invoke(cli.main, ["export", str(tmp_path / "nothing"), str(tmp_path / "z"), "--format", "specforge"])
