@@ -219,6 +219,11 @@ def _print_summary(s: dict) -> None:
                    f"{s['shards']} shard(s), {s['committed_bytes'] / 2**20:,.1f} MiB in {s['seconds']} s; "
                    f"run total {s['total_rows']} rows, {s['total_tokens']:,} tokens")
     click.echo(f"rows read {s['rows_read']}, already committed {s['already_committed']}, kept {s['kept']}")
+    if s["timings"]:
+        t = s["timings"]
+        click.echo(f"time: prepare {t['prepare']:.1f} s, start (Ray, engine load) {t['start']:.1f} s, "
+                   f"engine {t['engine']:.1f} s, encode+write {t['write']:.1f} s (beside the engine), "
+                   f"commit {t['commit']:.1f} s")
     for title in ("skipped", "rejected", "normalized"):
         if s[title]:
             click.echo(f"{title}: " + ", ".join(f"{k}={v}" for k, v in sorted(s[title].items())))

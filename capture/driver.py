@@ -37,6 +37,7 @@ from capture.data import DatasetRef, ReadStats, iter_conversations, resolve_data
 from capture.errors import CaptureError
 from capture.pool import ReplicaPool
 from capture.regenerate import responses_header
+from capture.progress import Progress, Timings, feed
 from capture.targets import Taps, Target, make_taps, model_dir, resolve_target
 from filters import apply_filters, filter_prompt
 import provenance
@@ -75,6 +76,7 @@ class Summary:
     estimated_bytes_by_codec: dict | None = None  # dry run only
     free_bytes: int | None = None  # dry run only: free space where --out is (or would be)
     replicas: list = dataclasses.field(default_factory=list)  # per replica: units, rows, tokens, busy s, restarts
+    timings: dict = dataclasses.field(default_factory=dict)  # seconds: capture.progress.Timings
     quarantined: dict = dataclasses.field(default_factory=dict)  # sample_id → reason (failed every attempt)
 
     def as_dict(self) -> dict:
@@ -231,34 +233,46 @@ def run(cfg: RunConfig) -> Summary:
         return plan(cfg)
 
     started = time.time()
-    prep = prepare(cfg)
-    loc = resolve(cfg.out)
-    if loc.kind() == pafs.FileType.File:
-        raise CaptureError(f"--out {cfg.out} exists and is not a folder")
-    if manifest_mod.read(loc).header is None and [e for e in loc.entries() if e != LOCK]:
-        raise CaptureError(f"{cfg.out} is not empty and holds no capture run ({loc.manifest_name}); "
-                           "give a new or empty folder")
-    busy = f"another capture is writing to {cfg.out} (it holds {LOCK}); wait for it or use another --out"
-    with loc.lock(busy=busy):
-        return _run_locked(cfg, prep, started, loc)
+    progress = Progress(cfg.progress)
+    timings = Timings()
+    try:
+        progress.status("preparing: model, tokenizer, dataset")
+        prep = prepare(cfg)
+        timings.prepare = time.time() - started
+        loc = resolve(cfg.out)
+        if loc.kind() == pafs.FileType.File:
+            raise CaptureError(f"--out {cfg.out} exists and is not a folder")
+        if manifest_mod.read(loc).header is None and [e for e in loc.entries() if e != LOCK]:
+            raise CaptureError(f"{cfg.out} is not empty and holds no capture run ({loc.manifest_name}); "
+                               "give a new or empty folder")
+        busy = f"another capture is writing to {cfg.out} (it holds {LOCK}); wait for it or use another --out"
+        with loc.lock(busy=busy):
+            return _run_locked(cfg, prep, started, loc, progress, timings)
+    finally:
+        progress.close()
 
 
-def _run_locked(cfg: RunConfig, prep: Prepared, started: float, loc: Location) -> Summary:
+def _run_locked(cfg: RunConfig, prep: Prepared, started: float, loc: Location, progress: Progress,
+                timings: Timings) -> Summary:
     import ray
 
     we_started_ray = not ray.is_initialized()
     if we_started_ray:
+        progress.status("starting Ray")
         # "local": a new instance even where `ray start` left a (maybe stale) /tmp/ray/ray_current_cluster
         ray.init(address=cfg.ray_address or "local", num_cpus=None if cfg.ray_address else os.cpu_count(),
                  include_dashboard=False, logging_level=logging.ERROR, log_to_driver=True)
     try:
-        return _run_on_ray(cfg, prep, started, loc)
+        progress.feed = feed()
+        return _run_on_ray(cfg, prep, started, loc, progress, timings)
     finally:
+        progress.close()  # the feed's actor goes before Ray does
         if we_started_ray:
             ray.shutdown()
 
 
-def _run_on_ray(cfg: RunConfig, prep: Prepared, started: float, loc: Location) -> Summary:
+def _run_on_ray(cfg: RunConfig, prep: Prepared, started: float, loc: Location, progress: Progress,
+                timings: Timings) -> Summary:
     import ray
 
     total_cpus = int(ray.cluster_resources().get("CPU", 0))
@@ -296,13 +310,14 @@ def _run_on_ray(cfg: RunConfig, prep: Prepared, started: float, loc: Location) -
     def make_actor():
         return actor_cls.remote(prep.model_dir, prep.taps, prep.header, out,
                                 shard_size=cfg.shard_size, batch_tokens=cfg.batch_tokens, threads=cpus,
-                                codec_threads=cfg.codec_threads, engine=prep.engine, filters=cfg.filters)
+                                codec_threads=cfg.codec_threads, engine=prep.engine, filters=cfg.filters,
+                                feed=progress.feed)
 
-    bar = _progress(cfg)
     rejected: collections.Counter = collections.Counter()
     prefilled = [0]  # rows through the engine (committed once their shard closes)
 
     def commit(infos) -> None:
+        t0 = time.perf_counter()
         for info in infos:
             writer.commit(info)
             summary.shards += 1
@@ -310,20 +325,22 @@ def _run_on_ray(cfg: RunConfig, prep: Prepared, started: float, loc: Location) -
             summary.committed_tokens += info.tokens
             summary.committed_loss_tokens += info.loss_tokens
             summary.committed_bytes += info.bytes
+        timings.commit += time.perf_counter() - t0
 
     def on_result(result) -> None:
         rejected.update(result.rejected.values())
         prefilled[0] += result.rows
-        bar.update(result.tokens)
         eta = _eta(time.time() - started, summary.rows_read, cfg.limit)
-        bar.set_postfix(rows=prefilled[0], committed=summary.committed_rows,
-                        MiB=round(summary.committed_bytes / 2**20), **({"eta": eta} if eta else {}), refresh=False)
+        progress.postfix(rows=prefilled[0], committed=summary.committed_rows,
+                         MiB=round(summary.committed_bytes / 2**20), **({"eta": eta} if eta else {}))
+        progress.tick()
 
     stop: str | None = None
     pool = None
+    ray_up = time.time()
     try:
         pool = ReplicaPool(make_actor, cfg.replicas, commit=commit, on_result=on_result,
-                           unit_timeout=cfg.unit_timeout, max_attempts=cfg.max_unit_attempts)
+                           unit_timeout=cfg.unit_timeout, max_attempts=cfg.max_unit_attempts, on_tick=progress.tick)
         for unit in _units(_records(cfg, prep, summary, manifest.sample_ids(), seen), cfg.unit_tokens):
             need = sum(r.num_tokens for r in unit) * per_token * (cfg.replicas + 1) + cfg.disk_reserve
             free = loc.free_bytes()
@@ -337,10 +354,14 @@ def _run_on_ray(cfg: RunConfig, prep: Prepared, started: float, loc: Location) -
             raise
         stop = f"the disk at {cfg.out} is full ({e})"
     finally:
-        bar.close()
+        progress.tick()
         if pool is not None:
             summary.replicas = [dataclasses.asdict(s) for s in pool.stats]
             summary.quarantined = dict(pool.quarantined)
+            timings.start = (ray_up - started - timings.prepare) + pool.start_seconds
+            timings.engine = sum(s.engine_seconds for s in pool.stats)
+            timings.write = sum(s.write_seconds for s in pool.stats)
+        summary.timings = timings.as_dict()
     summary.rejected = dict(rejected)
     manifest_now = manifest_mod.read(loc)
     summary.total_rows = manifest_now.rows
@@ -416,9 +437,3 @@ def _replica_class():
     from capture.replica import Replica
 
     return Replica
-
-
-def _progress(cfg: RunConfig):
-    from tqdm import tqdm
-
-    return tqdm(desc="capture", unit="tok", unit_scale=True, disable=not cfg.progress, dynamic_ncols=True)

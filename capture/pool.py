@@ -51,6 +51,8 @@ class ReplicaStats:
     rows: int = 0
     tokens: int = 0
     busy_seconds: float = 0.0
+    engine_seconds: float = 0.0
+    write_seconds: float = 0.0
     restarts: int = 0
     failures: dict = dataclasses.field(default_factory=dict)  # reason → count
 
@@ -67,29 +69,44 @@ class ReplicaPool:
     """``make_actor()`` returns a started-or-starting replica actor handle (``start``, ``process``,
     ``finish``); ``commit(shard_infos)`` commits shards; ``on_result(result)`` sees every
     :class:`capture.replica.UnitResult` (progress, counts). ``unit_timeout``: seconds one unit may run
-    (None: no limit)."""
+    (None: no limit). ``on_tick(status)`` is called at least every ``tick_s`` seconds while the pool waits
+    (for a live display): ``status`` names what it waits for (engine loads) or is None (units running).
+    ``start_seconds``: wall-clock seconds spent waiting for replicas to load their engines."""
 
     def __init__(self, make_actor: Callable[[], object], replicas: int, *, commit: Callable[[Sequence], None],
                  on_result: Callable[[object], None], in_flight: int = 2, unit_timeout: float | None = None,
-                 max_attempts: int = 3):
+                 max_attempts: int = 3, on_tick: Callable[[str | None], None] = lambda status: None,
+                 tick_s: float = 0.5):
         import ray
 
         self._ray = ray
         self.make_actor, self.commit, self.on_result = make_actor, commit, on_result
         self.in_flight, self.unit_timeout, self.max_attempts = in_flight, unit_timeout, max_attempts
+        self.on_tick, self.tick_s = on_tick, tick_s
         self.slots = [_Slot(make_actor(), [], {}) for _ in range(replicas)]
         self.stats = [ReplicaStats(i) for i in range(replicas)]
         self.retry: list[Unit] = []
         self.quarantined: dict[str, str] = {}  # sample_id → reason
+        self.start_seconds = 0.0
         self._start([s.actor for s in self.slots])
 
     def _start(self, actors: list) -> None:
+        """Wait for ``actors`` to load their engines, ticking meanwhile."""
+        t0 = time.monotonic()
+        pending = [a.start.remote() for a in actors]
+        n = len(pending)
         try:
-            self._ray.get([a.start.remote() for a in actors])
+            while pending:
+                self.on_tick(f"loading the engine on {n} replica(s), {n - len(pending)} ready")
+                ready, pending = self._ray.wait(pending, num_returns=1, timeout=self.tick_s)
+                self._ray.get(ready)
         except self._ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, CaptureError):  # e.g. an engine argument vLLM refuses: one line, exit 2
                 raise e.cause from None
             raise
+        finally:
+            self.start_seconds += time.monotonic() - t0
+        self.on_tick("capturing")
 
     def submit(self, records: list) -> None:
         """Queue one unit on the least-loaded replica; waits (handling results and failures) while all
@@ -147,7 +164,13 @@ class ReplicaPool:
         if self.unit_timeout is not None:
             now = time.monotonic()
             timeout = max(0.0, min(self.slots[i].started + self.unit_timeout - now for i in heads.values()))
-        ready, _ = self._ray.wait(list(heads), num_returns=1, timeout=timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = self.tick_s if deadline is None else min(self.tick_s, max(0.0, deadline - time.monotonic()))
+            ready, _ = self._ray.wait(list(heads), num_returns=1, timeout=left)
+            if ready or (deadline is not None and time.monotonic() >= deadline):
+                break
+            self.on_tick(None)
         if not ready:  # the oldest running unit is past the timeout: treat its replica as hung
             i = min(heads.values(), key=lambda j: self.slots[j].started)
             self._fail(i, f"unit ran past --unit-timeout {self.unit_timeout:g} s", charge=True)
@@ -173,6 +196,8 @@ class ReplicaPool:
         stats.rows += result.rows
         stats.tokens += result.tokens
         stats.busy_seconds += now - slot.started
+        stats.engine_seconds += result.engine_seconds
+        stats.write_seconds += result.write_seconds
         slot.started = now
         for sample_id in result.rejected:
             slot.uncommitted.pop(sample_id, None)

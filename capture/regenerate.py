@@ -22,7 +22,7 @@ conditioned on the target's own earlier answers.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -67,10 +67,11 @@ def generation_batches(prompts: Sequence[np.ndarray], max_new_tokens: int,
 
 
 def regenerate(engine, prompts: Sequence[Prompt], sampling: Sampling, stop_ids: Sequence[int], *,
-               batch_tokens: int | None = None) -> list[Tokenized]:
+               batch_tokens: int | None = None, on_batch: Callable[[int], None] | None = None) -> list[Tokenized]:
     """Generate the answers of ``prompts`` with ``engine``; one :class:`Tokenized` each, in order:
     ``input_ids`` int32 ``[T]`` (segments and generated ids), ``loss_mask`` bool ``[T]`` (True on the
-    generated ids), ``finish_reasons`` one ``"stop"``/``"length"`` per generated turn."""
+    generated ids), ``finish_reasons`` one ``"stop"``/``"length"`` per generated turn. ``on_batch``: called
+    after each generation call with the tokens it generated (for progress)."""
     parts: list[list[np.ndarray]] = [[p.segments[0]] for p in prompts]
     masks: list[list[np.ndarray]] = [[np.zeros(len(p.segments[0]), dtype=bool)] for p in prompts]
     reasons: list[list[str]] = [[] for _ in prompts]
@@ -80,6 +81,8 @@ def regenerate(engine, prompts: Sequence[Prompt], sampling: Sampling, stop_ids: 
         going = []
         for batch in generation_batches(contexts, sampling.max_new_tokens, batch_tokens):
             outs = engine.generate([contexts[b] for b in batch], sampling, stop_ids)
+            if on_batch is not None:
+                on_batch(sum(len(gen.token_ids) for gen in outs))
             for b, gen in zip(batch, outs):
                 i = active[b]
                 turn, prompt = len(reasons[i]), prompts[i]

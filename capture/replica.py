@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+import time
 from typing import Sequence
 
 import torch
@@ -48,6 +49,8 @@ class UnitResult:
     rejected: dict[str, str]  # sample_id → reason
     tokens: int  # tokens prefilled in this unit
     rows: int
+    engine_seconds: float = 0.0  # in engine forward/generate calls
+    write_seconds: float = 0.0  # the writer thread's encoding and I/O since the last unit (beside the engine)
 
 
 def length_batches(records: Sequence[Tokenized], batch_tokens: int | None) -> list[list[Tokenized]]:
@@ -90,7 +93,7 @@ class Replica:
 
     def __init__(self, model_dir: str, taps: Taps, header: RunHeader, out: Location | str, *, shard_size: int,
                  batch_tokens: int, threads: int | None = None, codec_threads: int = 2,
-                 engine: EngineSpec = EngineSpec("hf"), filters: FilterConfig | None = None):
+                 engine: EngineSpec = EngineSpec("hf"), filters: FilterConfig | None = None, feed=None):
         self._load = lambda: load_engine(engine, model_dir, taps, argmax=header.argmax, dtype=header.dtype,
                                          threads=threads)
         self.engine = None  # loaded by start(): a Ray actor's constructor error loses its exception type
@@ -103,6 +106,8 @@ class Replica:
         self._queue: queue.Queue = queue.Queue(maxsize=2)
         self._closed: queue.SimpleQueue[ShardInfo] = queue.SimpleQueue()  # writer thread → caller
         self._error: BaseException | None = None
+        self._feed = feed  # capture.progress.feed(): token counts per forward batch, for the driver's display
+        self._write_seconds = 0.0  # the writer thread's busy time, handed out with each UnitResult
         self._start_writer()
 
     def start(self) -> str:
@@ -119,11 +124,13 @@ class Replica:
         while (rows := self._queue.get()) is not None:
             if self._error is not None:
                 continue  # drop: nothing of a failed writer is committed; the error is raised to the driver
+            t0 = time.perf_counter()
             try:
                 for info in self.writer.write(rows):
                     self._closed.put(info)
             except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
                 self._error = e
+            self._write_seconds += time.perf_counter() - t0
 
     def _collect(self) -> list[ShardInfo]:
         """Shards the writer closed since the last call; raises the writer's error if it failed."""
@@ -141,10 +148,16 @@ class Replica:
             raise RuntimeError("Replica.start() loads the engine; call it before process()")
         result = UnitResult([], {}, 0, 0)
         if self.responses["mode"] == "regenerate":
+            t0 = time.perf_counter()
             unit = self._regenerate(unit, result.rejected)
+            result.engine_seconds += time.perf_counter() - t0
         for batch in length_batches(unit, self.batch_tokens):
             rows = []
-            for rec, cap in zip(batch, self.engine.forward([r.input_ids for r in batch])):
+            t0 = time.perf_counter()
+            captured = self.engine.forward([r.input_ids for r in batch])
+            result.engine_seconds += time.perf_counter() - t0
+            self._report(sum(r.num_tokens for r in batch))
+            for rec, cap in zip(batch, captured):
                 row = to_row(rec, cap, self.hidden_size)
                 if isinstance(row, str):
                     result.rejected[rec.sample_id] = row
@@ -157,12 +170,17 @@ class Replica:
             result.tokens += sum(r.num_tokens for r in batch)
             result.rows += len(rows)
         result.shards = self._collect()
+        result.write_seconds, self._write_seconds = self._write_seconds, 0.0
         return result
+
+    def _report(self, tokens: int) -> None:
+        if self._feed is not None:
+            self._feed.put_nowait(tokens)
 
     def _regenerate(self, prompts: Sequence[Prompt], rejected: dict[str, str]) -> list[Tokenized]:
         """Generated records of ``prompts`` that pass the length filters; the others go to ``rejected``."""
         records = regenerate(self.engine, prompts, sampling_of(self.responses), self.responses["stop_ids"],
-                             batch_tokens=self.batch_tokens)
+                             batch_tokens=self.batch_tokens, on_batch=self._report)
         kept = []
         for rec in records:
             filtered, reason = apply_filters(rec, self.filters, set())

@@ -366,11 +366,3 @@ class _TableCache:
             while len(self.tables) > self.size:
                 self.tables.popitem(last=False)
         return self.tables[path]
-
-
-def __getattr__(name: str):
-    if name == "hf_dataset":  # moved to shards.hf; kept importable from here for old callers
-        from shards.hf import hf_dataset
-
-        return hf_dataset
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

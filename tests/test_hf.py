@@ -58,11 +58,6 @@ def test_hf_dataset_states_decodes_every_row_bit_exact(reader_run, stream_sample
     assert "final" not in item
     assert torch.equal(bits(item["taps"]), bits(stream_samples[item["sample_id"]]["taps"][:, [2, 0]]))
 
-    # old callers still import it from shards.stream
-    from shards.stream import hf_dataset as old
-
-    assert old is hf_dataset
-
 
 def test_from_file_with_decoder_transform_bit_exact(reader_run, stream_samples):
     m = manifest_mod.read(reader_run)

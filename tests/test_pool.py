@@ -1,8 +1,10 @@
 """capture.pool.ReplicaPool with real Ray actors whose behaviour a test controls: a unit that raises every
 time (split, then its one bad record quarantined), a replica that hangs (killed at the unit timeout and
-replaced), exactly-once commits throughout. The real engine replica is exercised by tests/test_scale.py."""
+replaced), exactly-once commits throughout. A slow replica shows the live display moving before its first unit completes. The real engine replica is
+exercised by tests/test_scale.py."""
 
 import dataclasses
+import io
 import sys
 import time
 import uuid
@@ -13,6 +15,7 @@ import ray
 import ray.cloudpickle
 
 from capture.pool import ReplicaPool
+from capture.progress import Progress, feed
 from capture.replica import UnitResult
 from shards.writer import ShardInfo
 
@@ -95,3 +98,59 @@ def test_hung_replica_is_replaced_at_the_timeout(local_ray, tmp_path):
     assert pool.quarantined == {}
     reasons = {k: v for s in pool.stats for k, v in s.failures.items()}
     assert reasons == {"unit ran past --unit-timeout 3 s": 1}
+
+
+class SlowReplica:
+    """Loads its engine for 2 s, then runs each unit as 3 forward batches of 1 s, putting each batch's 10
+    tokens on the progress feed as the real replica does (capture.replica.Replica._report)."""
+
+    def __init__(self, feed):
+        self.feed = feed
+
+    def start(self) -> str:
+        time.sleep(2.0)
+        return "slow"
+
+    def process(self, records):
+        for _ in range(3):
+            time.sleep(1.0)
+            self.feed.put_nowait(10)
+        ids = [r.sample_id for r in records]
+        info = ShardInfo(f"shard-{uuid.uuid4().hex}.arrow", len(ids), 30, 15, 100, "0" * 64, tuple(ids),
+                         tuple("0" * 64 for _ in ids))
+        return UnitResult([info], {}, 30, len(ids), engine_seconds=3.0)
+
+    def finish(self):
+        return []
+
+
+def test_progress_moves_before_the_first_unit_completes(local_ray):
+    """The display names the engine load while it runs, redraws at least every tick, and counts tokens per
+    forward batch: 10 and 20 tokens are on screen before the first (30-token) unit completes."""
+    screen = io.StringIO()
+    progress = Progress(True, file=screen)
+    progress.feed = feed()
+    ticks, at_first_result = [], []
+
+    def on_tick(status):
+        progress.tick(status)
+        ticks.append((progress.tokens, progress.bar.desc))
+
+    def on_result(result):
+        if not at_first_result:
+            at_first_result.append((progress.tokens, len(ticks), screen.getvalue()))
+
+    actor = ray.remote(num_cpus=0)(SlowReplica)
+    pool = ReplicaPool(lambda: actor.remote(progress.feed), 1, commit=lambda infos: None, on_result=on_result,
+                       on_tick=on_tick, tick_s=0.2)
+    pool.submit(units_of(1, 3)[0])
+    pool.finish()
+    progress.close()
+
+    loading = [t for t in ticks if t[1] == "capture [loading the engine on 1 replica(s), 0 ready]"]
+    assert len(loading) >= 5  # 2 s of engine load, a redraw every 0.2 s
+    assert pool.start_seconds >= 2.0 and pool.stats[0].engine_seconds == 3.0
+    tokens_before, ticks_before, shown_before = at_first_result[0]
+    assert {10, 20} <= {tok for tok, _ in ticks[:ticks_before]}  # per batch, before the unit's result
+    assert "10.0tok" in shown_before and "20.0tok" in shown_before and "capture [capturing]" in shown_before
+    assert progress.tokens == 30

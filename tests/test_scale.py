@@ -115,6 +115,10 @@ def test_replica_killed_mid_unit_run_completes_exactly_once(tmp_path, sample_jso
     assert failure == "replica process died"
     assert summary["quarantined"] == {} and summary["committed_rows"] == LIMIT
     assert sum(r["rows"] for r in summary["replicas"]) >= LIMIT  # the retried records count twice here
+    t = summary["timings"]  # where the time went, for the summary line
+    assert set(t) == {"prepare", "start", "engine", "write", "commit"}
+    assert t["prepare"] > 0 and t["start"] > 0 and t["engine"] > 0 and t["write"] > 0
+    assert t["engine"] <= sum(r["busy_seconds"] for r in summary["replicas"])
     assert_exactly_once(out)
 
 

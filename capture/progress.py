@@ -1,0 +1,91 @@
+"""What a capture shows while it runs, and where its time went.
+
+One tqdm bar for the whole run, in tokens through the engine. Its description names the phase
+(``preparing``: model conversion, tokenizer, dataset; ``starting Ray``; ``loading the engine on N
+replica(s), k ready``; ``capturing``), and the driver refreshes it at least every :data:`REFRESH_S`
+seconds while it waits, so the elapsed time moves during a model load and before the first unit ends.
+Tokens arrive per forward batch, not per work unit: each replica puts the batch's token count on a
+:class:`Feed` (a ``ray.util.queue.Queue``: a small actor that reserves no CPU) and the driver drains it on
+every refresh. The postfix counts rows through the engine, rows committed, MiB committed and an ETA.
+
+:class:`Timings` adds up the wall-clock seconds of each part of a run for the summary: ``prepare``
+(driver: model conversion, tokenizer, dataset), ``start`` (Ray and the replicas' engine loads, wall
+clock), ``engine`` (forward and generation calls, summed over replicas), ``write`` (encoding and writing
+shards in each replica's writer thread, beside the engine; summed over replicas) and ``commit``
+(driver: manifest lines).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import IO
+
+REFRESH_S = 0.5  # the longest the display goes without a redraw while a run waits
+
+
+@dataclasses.dataclass
+class Timings:
+    """Seconds per part of a run (module docstring); ``engine`` and ``write`` are summed over replicas."""
+
+    prepare: float = 0.0
+    start: float = 0.0
+    engine: float = 0.0
+    write: float = 0.0
+    commit: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {k: round(v, 2) for k, v in dataclasses.asdict(self).items()}
+
+
+def feed():
+    """A replica → driver channel for token counts (``ray.util.queue.Queue``; needs Ray initialized).
+    Its actor reserves no CPU, so it never competes with the replicas for a slot."""
+    from ray.util.queue import Queue
+
+    return Queue(actor_options={"num_cpus": 0})
+
+
+class Progress:
+    """The run's bar (module docstring). ``enabled``: draw it (else every call is a cheap no-op but the
+    feed is still drained); ``file``: where to draw (default stderr). Call :meth:`tick` while waiting and
+    :meth:`close` at the end."""
+
+    def __init__(self, enabled: bool, *, file: IO | None = None):
+        from tqdm import tqdm
+
+        self.bar = tqdm(desc="capture [starting]", unit="tok", unit_scale=True, disable=not enabled,
+                        dynamic_ncols=True, file=file, mininterval=REFRESH_S)
+        self.feed = None  # a Feed once Ray runs (see :func:`feed`)
+        self.tokens = 0
+        self._status = "starting"
+
+    def status(self, text: str) -> None:
+        """Name the phase the run is in (shown at once)."""
+        if text != self._status:
+            self._status = text
+            self.bar.set_description_str(f"capture [{text}]", refresh=False)
+        self.bar.refresh()
+
+    def tick(self, status: str | None = None) -> None:
+        """Drain the feed (tokens per forward batch), set the phase when given, redraw."""
+        if self.feed is not None:
+            n = self.feed.qsize()
+            if n:
+                got = sum(self.feed.get_nowait_batch(n))
+                self.tokens += got
+                self.bar.update(got)
+        if status is not None:
+            self.status(status)
+        else:
+            self.bar.refresh()
+
+    def postfix(self, **values) -> None:
+        self.bar.set_postfix(**values, refresh=False)
+
+    def close(self) -> None:
+        """Count what is still on the feed, close the bar, shut the feed's actor down (idempotent)."""
+        if self.feed is not None:
+            self.tick()
+            self.feed.shutdown()
+            self.feed = None
+        self.bar.close()
