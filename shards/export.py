@@ -36,7 +36,6 @@ pick three with ``layers``.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 from typing import Sequence
@@ -49,8 +48,6 @@ from capture.errors import CaptureError
 from shards.format import FINAL, tap_column, tap_layer
 from shards.run import Location, as_location
 from shards.stream import ShardStream
-
-log = logging.getLogger(__name__)
 
 FORMATS = ("specforge", "speculators")
 SPECFORGE_GROUP = 2000  # SpecForge's file_group_size: data_{i} lives in rows_{g}-{g+2000}
@@ -65,18 +62,19 @@ def export(run: str | os.PathLike | Location, out: str | os.PathLike, fmt: str, 
     one speculators' last slot takes). Returns ``{"format", "samples", "tokens", "out", "warnings", "trainers"}``.
 
     Raises CaptureError for an unknown format, a run without the final state the format's trainer needs
-    (speculators: pre-norm, specforge: post-norm), a tap the run lacks, an empty split, or an ``out``
+    (speculators: pre-norm, specforge: post-norm), a tap the run lacks or named twice, an empty split, or an ``out``
     that exists and is not empty (nothing is overwritten).
     """
     if fmt not in FORMATS:
         raise CaptureError(f"unknown export format {fmt!r}; one of {', '.join(FORMATS)}")
     loc = as_location(run)
-    probe = ShardStream(loc, split=split, heldout_fraction=heldout_fraction)
-    head = probe.header
+    head = ShardStream(loc, split=split, heldout_fraction=heldout_fraction).header  # refuses a folder without a run
     num_layers = int(head.target.get("num_layers") or 0)
     taps = list(head.tap_layers)
     if layers is not None and (missing := [k for k in layers if k not in taps]):
         raise CaptureError(f"no tap(s) {missing} in run {run}; it stored taps {taps}")
+    if layers is not None and len(set(layers)) != len(layers):
+        raise CaptureError(f"--layers names a tap twice: {list(layers)}")
 
     if fmt == "speculators":
         final_from, aux = _speculators_plan(run, head.final_kind, taps, num_layers, layers)
@@ -94,8 +92,6 @@ def export(run: str | os.PathLike | Location, out: str | os.PathLike, fmt: str, 
         warnings.append(f"SpecForge's EAGLE-3 draft takes exactly {SPECFORGE_EAGLE3_TAPS} aux layers; this export "
                         f"has {len(aux)} (taps {aux}): EAGLE-3 cannot train on it, DFlash can; "
                         "pick three with --layers")
-    for w in warnings:
-        log.warning("%s", w)
 
     final_tap = tap_layer(final_from)  # None: the final column
     wanted = sorted(set(aux) | ({final_tap} if final_tap is not None else set()))

@@ -235,6 +235,9 @@ def test_specforge_warns_when_eagle3_cannot_take_the_taps(reader_run, tmp_path):
     bad = CliRunner().invoke(cli.main, ["export", str(reader_run), str(tmp_path / "bad"), "--format", "specforge",
                                         "--layers", "4"])
     assert bad.exit_code == 2 and "no tap(s) [4]" in bad.output
+    dup = CliRunner().invoke(cli.main, ["export", str(reader_run), str(tmp_path / "dup"), "--format", "specforge",
+                                        "--layers", "3,3,15"])
+    assert dup.exit_code == 2 and "names a tap twice" in dup.output and not (tmp_path / "dup").exists()
 
 
 def test_export_refuses_bad_input(reader_run, tmp_path):
