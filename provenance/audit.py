@@ -293,10 +293,10 @@ def _diagnose(pending: list[tuple[Diagnosis, np.ndarray]], ref, encoder: ChatEnc
 
 
 def _rows(loc: Location, shard: str) -> Iterator[Row]:
-    """The captured rows of one shard (:func:`shards.rows.read_row`), states not decoded."""
+    """The captured rows of one shard (:func:`shards.rows.read_row`), states and top-K not decoded."""
     table = loc.read_table(shard)
     for i in range(table.num_rows):
-        yield read_row(table, i, states=[])
+        yield read_row(table, i, states=[], topk=False)
 
 
 def _truncation_lengths(loc: Location, shards: list[str], filters: dict) -> list[int]:

@@ -31,6 +31,14 @@ SpecForge's EAGLE-3 teacher is its ``TargetHead``, the lm_head alone, over ``hid
 the **post-norm** final state (``--final post-norm``); a run without it is refused. SpecForge's EAGLE-3
 draft takes exactly 3 aux layers: another count is exported with a warning (DFlash takes any number);
 pick three with ``layers``.
+
+**Top-K log-probabilities** (``--topk K`` runs) are not exported: neither format has a place for them.
+speculators' ``ArrowDataset`` reads ``token_ids`` and ``hidden_states`` from each file and its trainer
+derives the teacher from the last slot; SpecForge's offline readers read ``input_ids``, ``loss_mask``,
+``aux_hidden_state`` / ``hidden_state`` / ``hidden_states`` (its DFlash reader's docstring: "there is no
+target distribution"; its online runtime's full-vocabulary ``logits`` are not read offline). Writing
+extra keys neither reads would only cost disk, so ``export.json`` records ``topk`` with
+``"exported": false`` and why; read them from the run (:class:`shards.stream.ShardStream`).
 """
 
 from __future__ import annotations
@@ -95,7 +103,8 @@ def export(run: str | os.PathLike | Location, out: str | os.PathLike, fmt: str, 
 
     final_tap = tap_layer(final_from)  # None: the final column
     wanted = sorted(set(aux) | ({final_tap} if final_tap is not None else set()))
-    stream = ShardStream(loc, split=split, heldout_fraction=heldout_fraction, layers=wanted, final=final_tap is None)
+    stream = ShardStream(loc, split=split, heldout_fraction=heldout_fraction, layers=wanted, final=final_tap is None,
+                         topk=False)
     if len(stream) == 0:
         raise CaptureError(f"run {run} has no committed samples in split {split!r}; nothing to export")
     out = Path(out)
@@ -128,6 +137,10 @@ def export(run: str | os.PathLike | Location, out: str | os.PathLike, fmt: str, 
         "trainers": _trainers(fmt, aux, num_layers),
         "warnings": warnings,
     }
+    if head.topk:
+        record["topk"] = {"stored": head.topk, "exported": False,
+                          "why": f"{fmt}'s offline format has no place for top-K teacher log-probabilities; read "
+                                 "topk_ids / topk_logprobs from the run with shards.stream.ShardStream"}
     (out / "export.json").write_text(json.dumps(record, indent=1) + "\n")
     return {"format": fmt, "samples": len(ids), "tokens": tokens, "out": str(out), "warnings": warnings,
             "trainers": record["trainers"]}

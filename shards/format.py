@@ -11,6 +11,9 @@ row_index           int64                       row of the raw dataset
 input_ids           list<int32>                 ``[T]`` token ids (chat template applied)
 loss_mask           list<bool>                  ``[T]`` True where the assistant produced the token
 argmax              list<int32>                 ``[T]`` target's greedy prediction for token t+1 (if captured)
+topk_ids            binary                      ``[T, K]`` int32 ids of the target's K most likely tokens t+1, one
+                                                encoded cell (``--topk K``; :mod:`shards.topk`)
+topk_logprobs       binary                      ``[T, K]`` float32 their log-probabilities, one encoded cell
 num_tokens          int32                       T
 num_loss_tokens     int32                       ``sum(loss_mask)``
 token_sha256        string                      SHA-256 hex of the little-endian int32 bytes of input_ids
@@ -29,6 +32,17 @@ tokenizer hash, where the answers come from, engine). Readers refuse an unknown 
 ``finish_reasons`` and ``responses`` (a 1.0 header without ``responses`` means dataset answers, no
 template kwargs). Rows are written by :func:`shards.rows.record_batch` and read back by its inverse
 :func:`shards.rows.read_row`.
+
+**Top-K (format 1.2).** A run captured with ``--topk K`` (header ``topk``: K; 0 or absent = none, the
+schema is then exactly 1.1's) stores per token position t the target's K largest next-token
+log-probabilities: the distribution it predicts for token t+1, the position convention of ``argmax``
+(``topk_ids[t, 0] == argmax[t]``). Values are ``logit - logsumexp(all logits)`` in float32 over the
+full vocabulary (not renormalized over the K kept), descending along K, ties to the lower token id; a
+trainer recovers probabilities as ``exp(topk_logprobs)`` and the tail mass as
+``1 - exp(topk_logprobs).sum(-1)``. Each column is one cell per row (``binary``: a 1.1 reader, which
+takes every ``large_binary`` column for a state, ignores them); the cell layout, measured at 87.6 bytes a
+token for K = 32, is in :mod:`shards.topk`; the field metadata records ``encoding``, ``dtype``, ``shape``
+and ``k``. 1.1 shards read as before (``topk`` 0).
 """
 
 from __future__ import annotations
@@ -41,8 +55,9 @@ import pyarrow as pa
 
 from capture.errors import CaptureError
 from shards import codecs
+from shards import topk as topk_mod
 
-FORMAT_VERSION = "1.1"
+FORMAT_VERSION = "1.2"
 METADATA_KEY = b"capture"
 STATE_TYPE = pa.large_binary()
 TAP_PREFIX = "tap_"
@@ -52,7 +67,7 @@ DATASET_RESPONSES = {"mode": "dataset", "chat_template_kwargs": {}}
 DEFAULT_ENGINE = {"name": "hf"}
 # Fields that must be equal for new shards to join an existing run (see shards.manifest).
 RUN_IDENTITY = ("target", "taps", "columns", "hidden_size", "dtype", "codec", "argmax", "chat_template_sha256",
-                "tokenizer_sha256", "responses", "engine")
+                "tokenizer_sha256", "responses", "engine", "topk")
 
 
 class FormatError(CaptureError):
@@ -77,8 +92,9 @@ class RunHeader:
     ``taps``: ``{"layers", "final", "tap_convention", "final_convention"}`` as :class:`capture.targets.Taps`
     describes them; ``responses``: ``{"mode": "dataset"|"regenerate", ...}`` (see
     :func:`capture.regenerate.responses_header`); ``engine``: ``{"name": ..., ...}`` as
-    :meth:`capture.engines.EngineSpec.describe` gives it. ``extra``: fields a newer minor version wrote,
-    kept as they are so that a copy (recode) loses nothing.
+    :meth:`capture.engines.EngineSpec.describe` gives it. ``topk``: K of the stored top-K log-probabilities
+    (0: none; a header from before format 1.2 has no such field and means 0). ``extra``: fields a newer
+    minor version wrote, kept as they are so that a copy (recode) loses nothing.
     """
 
     target: dict
@@ -94,12 +110,15 @@ class RunHeader:
     responses: dict = dataclasses.field(default_factory=lambda: dict(DATASET_RESPONSES))
     engine: dict = dataclasses.field(default_factory=lambda: dict(DEFAULT_ENGINE))
     engine_version: str | None = None
+    topk: int = 0
     format_version: str = FORMAT_VERSION
     extra: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         codecs.check(self.codec)
         object.__setattr__(self, "columns", tuple(self.columns))
+        if isinstance(self.topk, bool) or not isinstance(self.topk, int) or not 0 <= self.topk <= topk_mod.MAX_K:
+            raise FormatError(f"run header: topk {self.topk!r} is not an integer in [0, {topk_mod.MAX_K}]")
 
     # ------------------------------------------------------------ (de)serialization
 
@@ -188,15 +207,16 @@ class RunHeader:
 
 def header(*, target: dict, taps: dict, columns: list[str], hidden_size: int, dtype: str, codec: str,
            argmax: bool, chat_template: str, chat_template_sha256: str, tokenizer_sha256: str,
-           responses: dict | None = None, engine: dict | None = None, engine_version: str | None = None) -> RunHeader:
+           responses: dict | None = None, engine: dict | None = None, engine_version: str | None = None,
+           topk: int = 0) -> RunHeader:
     """A new run's header. ``responses``: see :func:`capture.regenerate.responses_header` (None: dataset
-    answers); ``engine``: :meth:`capture.engines.EngineSpec.describe` (None: hf). Raises CaptureError for
-    an unknown codec."""
+    answers); ``engine``: :meth:`capture.engines.EngineSpec.describe` (None: hf); ``topk``: K of the stored
+    top-K log-probabilities (0: none). Raises CaptureError for an unknown codec or a K out of range."""
     return RunHeader(target=target, taps=taps, columns=tuple(columns), hidden_size=hidden_size, dtype=dtype,
                      codec=codec, argmax=argmax, chat_template=chat_template,
                      chat_template_sha256=chat_template_sha256, tokenizer_sha256=tokenizer_sha256,
                      responses=responses or dict(DATASET_RESPONSES), engine=engine or dict(DEFAULT_ENGINE),
-                     engine_version=engine_version)
+                     engine_version=engine_version, topk=topk)
 
 
 def schema(head: RunHeader) -> pa.Schema:
@@ -210,6 +230,9 @@ def schema(head: RunHeader) -> pa.Schema:
     ]
     if head.argmax:
         fields.append(pa.field("argmax", pa.list_(pa.int32()), nullable=False))
+    if head.topk:
+        fields += [pa.field(c, topk_mod.TYPE, nullable=False, metadata=topk_mod.field_metadata(c, head.topk))
+                   for c in topk_mod.COLUMNS]
     fields += [
         pa.field("num_tokens", pa.int32(), nullable=False),
         pa.field("num_loss_tokens", pa.int32(), nullable=False),

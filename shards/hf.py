@@ -18,7 +18,12 @@ Per sample (``ds[i]``; a slice ``ds[i:j]`` gives a list per key)::
      "input_ids": int64 [T], "loss_mask": bool [T],
      "argmax": int64 [T]            (if the run stored it),
      "taps": bf16 [T, L, H]         (the tap columns stacked in header order, or in ``layers`` order),
-     "final": bf16 [T, H]           (if the run stored it and ``final``)}
+     "final": bf16 [T, H]           (if the run stored it and ``final``),
+     "topk_ids": int64 [T, K], "topk_logprobs": float32 [T, K]   (if the run stored top-K and ``topk``)}
+
+A run's top-K cells (``topk_ids``, ``topk_logprobs``: encoded ``binary`` cells, :mod:`shards.topk`) are,
+like the states, left out of the plain ``hf_dataset(run)`` (name them in ``columns`` to get the encoded
+bytes) and decoded by the transform.
 
 States keep the run's dtype (bf16; fp16 for engines that give fp16). The transform decodes the cells
 that ``datasets`` hands it as Python ``bytes`` (one copy of each cell per access; ``ShardStream``
@@ -39,6 +44,7 @@ from capture.errors import CaptureError
 from shards import codecs
 from shards import manifest as manifest_mod
 from shards.format import FINAL, FormatError, RunHeader, read_header, tap_column
+from shards import topk as topk_mod
 from shards.rows import DTYPES
 from shards.run import Location, as_location
 from shards.stream import SPLITS, in_split
@@ -72,11 +78,12 @@ class Decoder:
     workers can take a dataset that holds it).
 
     ``header``: the run header; ``taps_layers``: the taps stacked into ``taps``, in that order;
-    ``final``: whether ``final`` is returned; ``columns``: the dataset columns it reads (pass them as
+    ``final``: whether ``final`` is returned; ``topk``: K of the top-K arrays returned (0: none, also when
+    the run stored none); ``columns``: the dataset columns it reads (pass them as
     ``with_transform(dec, columns=dec.columns)`` so that ``datasets`` extracts no other state cells).
     """
 
-    def __init__(self, header: RunHeader, layers: Sequence[int] | None = None, final: bool = True):
+    def __init__(self, header: RunHeader, layers: Sequence[int] | None = None, final: bool = True, topk: bool = True):
         taps = list(header.tap_layers)
         wanted = taps if layers is None else [int(k) for k in layers]
         missing = [k for k in wanted if k not in taps]
@@ -88,7 +95,9 @@ class Decoder:
         self.taps_layers: tuple[int, ...] = tuple(wanted)
         self.final: bool = bool(final) and header.final_kind is not None
         self.states: tuple[str, ...] = tuple(tap_column(k) for k in wanted) + ((FINAL,) if self.final else ())
-        self.columns: tuple[str, ...] = SCALARS + (("argmax",) if header.argmax else ()) + self.states
+        self.topk: int = header.topk if topk else 0
+        self.columns: tuple[str, ...] = (SCALARS + (("argmax",) if header.argmax else ())
+                                         + (topk_mod.COLUMNS if self.topk else ()) + self.states)
 
     def __call__(self, batch: dict) -> dict[str, list]:
         missing = [c for c in self.columns if c not in batch]
@@ -104,6 +113,8 @@ class Decoder:
         out["taps"] = []
         if self.final:
             out["final"] = []
+        if self.topk:
+            out[topk_mod.IDS], out[topk_mod.LOGPROBS] = [], []
         for i, ids in enumerate(batch["input_ids"]):
             tokens = len(ids)
             out["input_ids"].append(torch.tensor(ids, dtype=torch.int64))
@@ -114,47 +125,57 @@ class Decoder:
             out["taps"].append(torch.stack(states[:n_taps], dim=1))
             if self.final:
                 out["final"].append(states[n_taps])
+            if self.topk:
+                top_ids = topk_mod.decode_ids(batch[topk_mod.IDS][i], self.topk, tokens)
+                out[topk_mod.IDS].append(torch.from_numpy(top_ids.astype("int64")))
+                out[topk_mod.LOGPROBS].append(torch.from_numpy(
+                    topk_mod.decode_logprobs(batch[topk_mod.LOGPROBS][i], self.topk, tokens)))
         return out
 
     def __repr__(self) -> str:
-        return f"Decoder(taps_layers={self.taps_layers}, final={self.final}, codec={self.header.codec!r})"
+        return (f"Decoder(taps_layers={self.taps_layers}, final={self.final}, topk={self.topk}, "
+                f"codec={self.header.codec!r})")
 
 
 def decoder(run: str | os.PathLike | Location | RunHeader, layers: Sequence[int] | None = None,
-            final: bool = True) -> Decoder:
+            final: bool = True, topk: bool = True) -> Decoder:
     """A transform for ``datasets.Dataset.set_transform`` / ``with_transform`` that decodes a capture
     dataset's rows into :class:`shards.stream.ShardStream`'s sample contract (module docstring):
     ``input_ids`` int64 ``[T]``, ``loss_mask`` bool ``[T]``, ``argmax`` int64 ``[T]`` (if stored),
     ``taps`` ``[T, L, H]`` in the run's dtype (bf16, or fp16), ``final`` ``[T, H]`` (if stored and
-    ``final``), plus ``sample_id`` and ``source``; the other columns are dropped.
+    ``final``), ``topk_ids`` int64 ``[T, K]`` and ``topk_logprobs`` float32 ``[T, K]`` (if stored and
+    ``topk``), plus ``sample_id`` and ``source``; the other columns are dropped.
 
     ``run``: where the header comes from (:func:`run_header`: a run folder, path or URI, a shard file of
     the run, or a RunHeader). ``layers``: the taps to stack, in that order (default all, header order).
-    ``final``: return the final state when the run stored it.
+    ``final``: return the final state when the run stored it. ``topk``: return the top-K arrays when
+    the run stored them.
 
     Raises CaptureError for a run without a header or a tap the run lacks (here), and, when the
     transform runs, for a dataset lacking a column it needs (``sample_id``, ``source``, ``input_ids``,
-    ``loss_mask``, ``argmax`` if stored, the state columns); ValueError (or zstd's error) for a cell
+    ``loss_mask``, ``argmax`` and the top-K cells if stored, the state columns); ValueError (or zstd's error) for a cell
     that does not decode to ``[T, H]``.
     """
-    return Decoder(run_header(run), layers, final)
+    return Decoder(run_header(run), layers, final, topk)
 
 
 def hf_dataset(run: str | os.PathLike | Location, *, split: str = "all", heldout_fraction: float = 0.01,
                columns: Sequence[str] | None = None, states: bool = False, layers: Sequence[int] | None = None,
-               final: bool = True):
+               final: bool = True, topk: bool = True):
     """The run's rows as a Hugging Face ``datasets.Dataset`` (zero-copy over the memory-mapped shards), in
     manifest order, filtered by ``split`` as :func:`shards.stream.in_split`.
 
     ``states=False`` (default): plain columns, by default every column but the states (``sample_id``,
-    ``source``, ``row_index``, ``input_ids``, ``loss_mask``, ``argmax``, ``num_tokens``, ...), or those
-    named in ``columns``; a state column named there comes as its encoded cell bytes.
+    ``source``, ``row_index``, ``input_ids``, ``loss_mask``, ``argmax``, ``num_tokens``, ...; the encoded
+    state and top-K cells are left out), or those named in ``columns``; a state or top-K column named
+    there comes as its encoded cell bytes.
 
     ``states=True``: the dataset also holds the state columns (the taps ``layers``, default all, and
     ``final`` when stored and asked) and carries the :func:`decoder` transform, so that ``ds[i]`` is a
     :class:`shards.stream.ShardStream` sample: ``input_ids`` int64 ``[T]``, ``loss_mask`` bool ``[T]``,
-    ``argmax`` int64 ``[T]``, ``taps`` bf16 ``[T, L, H]``, ``final`` bf16 ``[T, H]``, ``sample_id``,
-    ``source``. ``columns`` does not combine with it; ``layers`` / ``final`` apply only with it.
+    ``argmax`` int64 ``[T]``, ``taps`` bf16 ``[T, L, H]``, ``final`` bf16 ``[T, H]``, ``topk_ids`` /
+    ``topk_logprobs`` ``[T, K]`` (``--topk`` runs), ``sample_id``, ``source``. ``columns`` does not
+    combine with it; ``layers`` / ``final`` / ``topk`` apply only with it.
 
     Raises CaptureError for a folder without a run or without committed shards, an unknown column or
     split, a tap the run lacks, or ``columns`` with ``states=True``.
@@ -164,23 +185,23 @@ def hf_dataset(run: str | os.PathLike | Location, *, split: str = "all", heldout
 
     if states and columns is not None:
         raise CaptureError("hf_dataset: states=True returns the decoded sample dicts; it takes no columns")
-    if not states and (layers is not None or not final):
-        raise CaptureError("hf_dataset: layers and final choose the decoded states; pass states=True")
+    if not states and (layers is not None or not final or not topk):
+        raise CaptureError("hf_dataset: layers, final and topk choose the decoded states; pass states=True")
     loc = as_location(run)
     manifest = manifest_mod.read(loc)
     if manifest.header is None:
         raise CaptureError(f"{run} holds no capture run (no {loc.manifest_name} with a header)")
-    dec = Decoder(manifest.header, layers, final) if states else None
+    dec = Decoder(manifest.header, layers, final, topk) if states else None
     if split not in SPLITS:
         raise CaptureError(f"unknown split {split!r}; one of {', '.join(SPLITS)}")
-    state_columns = set(manifest.header.columns)
+    state_columns = set(manifest.header.columns) | set(topk_mod.COLUMNS)  # encoded cells
     tables = []
     for shard in manifest.shards:
         table = loc.read_table(shard["path"])  # local: memory-mapped, unselected columns are never touched
         if columns is not None:
             cols = list(columns)
         else:
-            cols = [c for c in table.column_names if c not in state_columns or (dec and c in dec.states)]
+            cols = [c for c in table.column_names if c not in state_columns or (dec and c in dec.columns)]
         unknown = [c for c in cols if c not in table.column_names]
         if unknown:
             raise CaptureError(f"no column(s) {unknown} in {run}; it has {', '.join(table.column_names)}")

@@ -4,6 +4,7 @@ A packed batch of B samples and N tokens::
 
     {"input_ids": int64 [N], "loss_mask": bool [N], "argmax": int64 [N] (if the samples have it),
      "taps": bf16 [N, L, H], "final": bf16 [N, H] (if the samples have it),
+     "topk_ids": int64 [N, K], "topk_logprobs": float32 [N, K] (if the samples have them),
      "position_ids": int64 [N] (0, 1, ... restarting at every sample),
      "cu_seqlens": int32 [B+1] (sample b is tokens cu_seqlens[b]:cu_seqlens[b+1]),
      "sample_ids": list[str] (B ids, in order)}
@@ -11,8 +12,8 @@ A packed batch of B samples and N tokens::
 Rules: samples keep their order; a batch takes samples while their tokens fit ``max_tokens``; a sample
 is never split across batches and nothing is padded (so no pad token is ever in the loss). A sample
 longer than ``max_tokens``: ``oversize="alone"`` (default) puts it whole into a batch of its own, which
-is then larger than the budget; ``"truncate"`` keeps its first ``max_tokens`` tokens (ids, mask, argmax
-and states cut together; the rest is dropped, not carried into the next batch); ``"error"`` raises
+is then larger than the budget; ``"truncate"`` keeps its first ``max_tokens`` tokens (ids, mask, argmax,
+top-K and states cut together; the rest is dropped, not carried into the next batch); ``"error"`` raises
 CaptureError. The last, partial batch is always emitted.
 """
 
@@ -25,7 +26,7 @@ import torch
 from capture.errors import CaptureError
 
 OVERSIZE = ("alone", "truncate", "error")
-TOKEN_KEYS = ("input_ids", "loss_mask", "argmax", "taps", "final")  # per-token tensors, first dim T
+TOKEN_KEYS = ("input_ids", "loss_mask", "argmax", "taps", "final", "topk_ids", "topk_logprobs")  # per-token, first dim T
 
 
 def pack(samples: Iterable[dict], max_tokens: int, oversize: str = "alone") -> Iterator[dict]:

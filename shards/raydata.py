@@ -2,8 +2,9 @@
 
 Blocks are the committed shards' Arrow tables as stored (manifest order), with the rows outside
 ``split`` removed (:func:`shards.stream.in_split`): ``sample_id``, ``source``, ids, mask, argmax as
-list columns, and each state column an encoded ``[T, H]`` cell (``large_binary``, the run's codec; its
-field metadata travels with the block schema). States stay encoded inside Ray Data because numpy, Ray
+list columns, each state column an encoded ``[T, H]`` cell (``large_binary``, the run's codec; its
+field metadata travels with the block schema), and a ``--topk K`` run's ``topk_ids`` / ``topk_logprobs``
+encoded ``[T, K]`` cells (``binary``, :mod:`shards.topk`). States stay encoded inside Ray Data because numpy, Ray
 Data's batch format, has no bfloat16; :func:`samples` decodes a ``pyarrow`` batch into the sample dicts of
 :class:`shards.stream.ShardStream` (bf16 tensors straight from the Arrow buffers), e.g.::
 
@@ -75,6 +76,7 @@ def read_run(run: str | os.PathLike | Location, *, split: str = "all", heldout_f
 
 def samples(table: pa.Table, header: RunHeader) -> list[dict]:
     """A ``pyarrow`` batch of :func:`read_run` as :class:`shards.stream.ShardStream` sample dicts: ids
-    int64 ``[T]``, mask bool ``[T]``, argmax int64 ``[T]``, taps bf16 ``[T, L, H]``, final ``[T, H]``."""
-    return [row_sample(table, i, header.tap_layers, header.argmax, header.final_kind is not None)
+    int64 ``[T]``, mask bool ``[T]``, argmax int64 ``[T]``, taps bf16 ``[T, L, H]``, final ``[T, H]``,
+    ``topk_ids`` int64 / ``topk_logprobs`` float32 ``[T, K]`` (``--topk`` runs)."""
+    return [row_sample(table, i, header.tap_layers, header.argmax, header.final_kind is not None, header.topk > 0)
             for i in range(table.num_rows)]

@@ -1,7 +1,8 @@
 """``capture shards recode SRC DST --codec C``: the same run, its states stored with another codec.
 
 E.g. keep a lossless archive (``bf16-split``) and train from ``fp8-e4m3``. Rows keep their order, ids,
-tokens, masks, argmax and finish reasons; only the state cells change. DST is a run folder of its own
+tokens, masks, argmax, top-K cells (decoded and encoded again: the same values, bit for bit) and finish
+reasons; only the state cells change. DST is a run folder of its own
 (header equal to SRC's but for the codec, same commit protocol), so an interrupted recode resumes by
 rerunning it.
 Recoding a lossy run into a lossless codec stores the lossy values losslessly (logged as a warning).

@@ -3,7 +3,7 @@
 ``read_row(record_batch(schema, rows), i) == rows[i]``, bit for bit for lossless codecs; tested).
 
 Every reader decodes rows here: the stream (:mod:`shards.stream`), recode, ``shards head``, export and
-Ray Data. A state cell alone decodes with :func:`state_tensor`.
+Ray Data. A state cell alone decodes with :func:`state_tensor`; a row's top-K cells with :func:`topk_arrays`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pyarrow as pa
 import torch
 
 from shards import codecs
+from shards import topk as topk_mod
 from shards.format import METADATA_KEY, STATE_TYPE, FormatError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,7 +27,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 class Row:
     """One conversation as stored. Arrays: ``input_ids`` int32 ``[T]``, ``loss_mask`` bool ``[T]``,
     ``argmax`` int32 ``[T]`` or None, ``states`` column → ``[T, H]`` tensor (bf16 or fp16);
-    ``finish_reasons``: one ``"stop"``/``"length"`` per generated turn (regenerate mode), else None."""
+    ``finish_reasons``: one ``"stop"``/``"length"`` per generated turn (regenerate mode), else None;
+    ``topk_ids`` int32 ``[T, K]`` and ``topk_logprobs`` float32 ``[T, K]`` (``--topk K`` runs; else None):
+    the target's K most likely next tokens at each position, descending (:mod:`shards.topk`)."""
 
     sample_id: str
     source: str
@@ -37,6 +40,8 @@ class Row:
     states: dict[str, torch.Tensor]
     token_sha256: str
     finish_reasons: tuple[str, ...] | None = None
+    topk_ids: np.ndarray | None = None
+    topk_logprobs: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -47,15 +52,17 @@ class Row:
         return int(self.loss_mask.sum())
 
     def to_dict(self) -> dict:
-        """Flat view, one key per shard column: ids, mask and argmax as numpy arrays (argmax only when
-        stored), states under their column names, ``num_tokens`` / ``num_loss_tokens``,
-        ``finish_reasons`` as a list of strings or None."""
+        """Flat view, one key per shard column: ids, mask, argmax and the top-K arrays as numpy arrays
+        (argmax and top-K only when stored), states under their column names, ``num_tokens`` /
+        ``num_loss_tokens``, ``finish_reasons`` as a list of strings or None."""
         out = {"sample_id": self.sample_id, "source": self.source, "row_index": self.row_index,
                "input_ids": self.input_ids, "loss_mask": self.loss_mask, "num_tokens": self.num_tokens,
                "num_loss_tokens": self.num_loss_tokens, "token_sha256": self.token_sha256,
                "finish_reasons": None if self.finish_reasons is None else list(self.finish_reasons)}
         if self.argmax is not None:
             out["argmax"] = self.argmax
+        if self.topk_ids is not None:
+            out[topk_mod.IDS], out[topk_mod.LOGPROBS] = self.topk_ids, self.topk_logprobs
         return out | self.states
 
 
@@ -68,7 +75,8 @@ def _list_array(arrays: Sequence[np.ndarray], value_type: pa.DataType) -> pa.Arr
 
 def record_batch(schema: pa.Schema, rows: Sequence[Row], encode: Callable | None = None) -> pa.RecordBatch:
     """Rows → one Arrow record batch with ``schema``'s columns (:func:`shards.format.schema`). ``encode``
-    maps a list of ``[T, H]`` tensors to their cells (default: the run codec, one thread)."""
+    maps a list of ``[T, H]`` tensors to their cells (default: the run codec, one thread). Raises
+    ValueError for a row whose top-K arrays are missing or not ``[T, K]`` when the schema has them."""
     codec = json.loads(schema.metadata[METADATA_KEY])["codec"]
     encode = encode or (lambda tensors: [codecs.encode(codec, t) for t in tensors])
     cols: dict[str, pa.Array] = {
@@ -83,6 +91,15 @@ def record_batch(schema: pa.Schema, rows: Sequence[Row], encode: Callable | None
     }
     if "argmax" in schema.names:
         cols["argmax"] = _list_array([r.argmax for r in rows], pa.int32())
+    if topk_mod.IDS in schema.names:
+        k = json.loads(schema.metadata[METADATA_KEY])["topk"]
+        for r in rows:
+            if r.topk_ids is None or r.topk_logprobs is None or r.topk_ids.shape != (r.num_tokens, k) \
+                    or r.topk_logprobs.shape != (r.num_tokens, k):
+                shapes = [None if a is None else a.shape for a in (r.topk_ids, r.topk_logprobs)]
+                raise ValueError(f"{r.sample_id}: top-K arrays {shapes}, expected ({r.num_tokens}, {k}) each")
+        cols[topk_mod.IDS] = pa.array([topk_mod.encode_ids(r.topk_ids) for r in rows], topk_mod.TYPE)
+        cols[topk_mod.LOGPROBS] = pa.array([topk_mod.encode_logprobs(r.topk_logprobs) for r in rows], topk_mod.TYPE)
     if "finish_reasons" in schema.names:
         reasons = [None if r.finish_reasons is None else list(r.finish_reasons) for r in rows]
         cols["finish_reasons"] = pa.array(reasons, pa.list_(pa.string()))
@@ -111,12 +128,32 @@ def state_tensor(table: pa.Table | pa.RecordBatch, column: str, row: int) -> tor
     return codecs.decode(meta[b"codec"].decode(), cell, tokens, hidden, DTYPES[meta[b"dtype"].decode()])
 
 
-def read_row(table: pa.Table | pa.RecordBatch, i: int, states: Sequence[str] | None = None) -> Row:
+def topk_arrays(table: pa.Table | pa.RecordBatch, row: int, k: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    """The top-K cells of ``row``: (int32 ``[T, K]`` ids, float32 ``[T, K]`` log-probabilities), or None
+    when the table has no top-K columns. ``k``: K (default: the ``topk_ids`` field's metadata, else the
+    run header in the schema metadata). T is the row's token count (from ``input_ids``). Raises
+    ValueError for a cell that does not decode to ``[T, K]``."""
+    if topk_mod.IDS not in table.column_names:
+        return None
+    if k is None:
+        meta = table.schema.field(topk_mod.IDS).metadata or {}
+        if b"k" in meta:
+            k = int(meta[b"k"])
+        else:
+            k = int(json.loads((table.schema.metadata or {})[METADATA_KEY])["topk"])
+    tokens = len(table.column("input_ids")[row].values) if "input_ids" in table.column_names else None
+    ids = topk_mod.decode_ids(table.column(topk_mod.IDS)[row].as_buffer(), k, tokens)
+    values = topk_mod.decode_logprobs(table.column(topk_mod.LOGPROBS)[row].as_buffer(), k, tokens)
+    return ids, values
+
+
+def read_row(table: pa.Table | pa.RecordBatch, i: int, states: Sequence[str] | None = None, topk: bool = True) -> Row:
     """Row ``i`` of a shard table as the :class:`Row` :func:`record_batch` was given: ids int32, mask
     bool and argmax int32 (None when not stored) as numpy arrays, ``states`` decoded by
     :func:`state_tensor` (default every state column the table holds; ``[]`` none), finish reasons a
-    tuple or None (also for shards from before the column existed). ``num_tokens`` is recomputed from
-    the ids, so a table without that column decodes too (e.g. a Ray Data batch)."""
+    tuple or None (also for shards from before the column existed), the top-K arrays by
+    :func:`topk_arrays` (None when not stored, or not asked for: ``topk=False``). ``num_tokens`` is recomputed from the ids, so a table
+    without that column decodes too (e.g. a Ray Data batch)."""
     if "num_tokens" not in table.column_names and (states is None or states):
         import pyarrow.compute as pc
 
@@ -128,6 +165,7 @@ def read_row(table: pa.Table | pa.RecordBatch, i: int, states: Sequence[str] | N
 
     names = table.column_names
     reasons = table.column("finish_reasons")[i].as_py() if "finish_reasons" in names else None
+    top = topk_arrays(table, i) if topk else None
     return Row(
         sample_id=table.column("sample_id")[i].as_py(),
         source=table.column("source")[i].as_py(),
@@ -138,4 +176,6 @@ def read_row(table: pa.Table | pa.RecordBatch, i: int, states: Sequence[str] | N
         states={c: state_tensor(table, c, i) for c in (state_columns(table) if states is None else states)},
         token_sha256=table.column("token_sha256")[i].as_py(),
         finish_reasons=None if reasons is None else tuple(reasons),
+        topk_ids=None if top is None else top[0],
+        topk_logprobs=None if top is None else top[1],
     )

@@ -6,7 +6,14 @@ Per sample (the contract a drafter trainer relies on)::
      "input_ids": int64 [T], "loss_mask": bool [T],
      "argmax": int64 [T]            (if the run stored it),
      "taps": bf16 [T, L, H]         (the tap_<k> columns stacked in header order; ids in ShardStream.taps_layers),
-     "final": bf16 [T, H]           (if the run stored it; ShardStream.final_kind says post-norm or pre-norm)}
+     "final": bf16 [T, H]           (if the run stored it; ShardStream.final_kind says post-norm or pre-norm),
+     "topk_ids": int64 [T, K]       (if the run stored top-K, ``--topk K``; ShardStream.topk says K),
+     "topk_logprobs": float32 [T, K] (same rows: log-probabilities over the full vocabulary, descending)}
+
+``topk_ids[t]`` / ``topk_logprobs[t]`` are the target's K most likely tokens t+1 at position t (the
+convention of ``argmax``: ``topk_ids[t, 0] == argmax[t]``) with ``logit - logsumexp(all logits)`` in
+float32; ``exp(topk_logprobs)`` are probabilities, ``1 - exp(topk_logprobs).sum(-1)`` the tail mass
+outside the top K (see :mod:`shards.topk`).
 
 States keep the run's dtype (bf16; fp16 for engines that give fp16): each cell is decoded by
 :func:`shards.rows.state_tensor` straight from the Arrow buffer, never widened to float32.
@@ -78,6 +85,7 @@ from capture.errors import CaptureError
 from shards import manifest as manifest_mod
 from shards.format import FINAL, RunHeader, tap_column
 from shards.rows import read_row
+from shards.topk import IDS as TOPK_IDS, LOGPROBS as TOPK_LOGPROBS
 from shards.run import Location, as_location
 
 SPLITS = ("train", "heldout", "all")
@@ -101,12 +109,12 @@ def in_split(sample_id: str, split: str, heldout_fraction: float) -> bool:
 
 
 def row_sample(table: pa.Table | pa.RecordBatch, row: int, taps_layers: Sequence[int], argmax: bool,
-               final: bool) -> dict:
+               final: bool, topk: bool = False) -> dict:
     """Row ``row`` of a shard table as a sample dict (the module docstring's contract), decoded by
-    :func:`shards.rows.read_row`: taps ``taps_layers`` stacked in that order ``[T, L, H]``, ``argmax``
-    and ``final`` included when asked."""
+    :func:`shards.rows.read_row`: taps ``taps_layers`` stacked in that order ``[T, L, H]``, ``argmax``,
+    ``final`` and the top-K arrays included when asked."""
     columns = [tap_column(k) for k in taps_layers] + ([FINAL] if final else [])
-    r = read_row(table, row, states=columns)
+    r = read_row(table, row, states=columns, topk=topk)
     out = {"sample_id": r.sample_id, "source": r.source,
            "input_ids": torch.from_numpy(r.input_ids.astype("int64")),
            "loss_mask": torch.from_numpy(r.loss_mask)}
@@ -115,6 +123,9 @@ def row_sample(table: pa.Table | pa.RecordBatch, row: int, taps_layers: Sequence
     out["taps"] = torch.stack([r.states[c] for c in columns[:len(taps_layers)]], dim=1)
     if final:
         out["final"] = r.states[FINAL]
+    if topk:
+        out[TOPK_IDS] = torch.from_numpy(r.topk_ids.astype("int64"))
+        out[TOPK_LOGPROBS] = torch.from_numpy(r.topk_logprobs)
     return out
 
 
@@ -123,7 +134,9 @@ class ShardStream(IterableDataset):
 
     ``run``: the run folder (a path, a URI or a :class:`shards.run.Location`). ``split``: ``train``,
     ``heldout`` or ``all`` by :func:`in_split` with ``heldout_fraction``. ``layers``: the taps to return
-    (default all, in header order). ``final``: return the final state when the run stored it. ``rank``,
+    (default all, in header order). ``final``: return the final state when the run stored it. ``topk``:
+    return the top-K arrays when the run stored them (``--topk K``; :attr:`topk` is K, 0 when not
+    returned). ``rank``,
     ``world_size``: default from ``torch.distributed`` when initialized, else 0 and 1.
 
     Raises CaptureError for a folder without a run (outside tail mode), a tap the run lacks, a bad split,
@@ -131,7 +144,7 @@ class ShardStream(IterableDataset):
     """
 
     def __init__(self, run: str | os.PathLike | Location, *, split: str = "all", heldout_fraction: float = 0.01, layers: Sequence[int] | None = None,
-                 final: bool = True, shuffle: bool = False, seed: int = 0, shuffle_buffer: int = 1024,
+                 final: bool = True, topk: bool = True, shuffle: bool = False, seed: int = 0, shuffle_buffer: int = 1024,
                  rank: int | None = None, world_size: int | None = None, drop_last: bool = False,
                  tail: bool = False, poll_s: float = 1.0, timeout_s: float | None = None, open_shards: int = 4):
         if split not in SPLITS:
@@ -165,6 +178,7 @@ class ShardStream(IterableDataset):
         self.taps_layers: tuple[int, ...] = tuple(wanted)
         self.final_kind: str | None = self.header.final_kind if final else None
         self.has_argmax: bool = self.header.argmax
+        self.topk: int = self.header.topk if topk else 0
 
     # ---------------------------------------------------------------- state shared with workers
 
@@ -282,7 +296,7 @@ class ShardStream(IterableDataset):
 
     def sample(self, table: pa.Table, row: int) -> dict:
         """Row ``row`` of a shard table as a sample dict (the module docstring's contract)."""
-        return row_sample(table, row, self.taps_layers, self.has_argmax, self.final_kind is not None)
+        return row_sample(table, row, self.taps_layers, self.has_argmax, self.final_kind is not None, self.topk > 0)
 
     # ---------------------------------------------------------------- epochs and resume
 

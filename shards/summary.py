@@ -5,9 +5,12 @@ from __future__ import annotations
 import collections
 import os
 
+import numpy as np
+import pyarrow.compute as pc
 import torch
 
 from shards import manifest as manifest_mod
+from shards import topk as topk_mod
 from shards.rows import read_row
 from shards.run import Location, as_location
 
@@ -21,8 +24,10 @@ def ls(run: str | os.PathLike | Location) -> list[dict]:
 def stat(run: str | os.PathLike | Location) -> dict:
     """Run totals: rows, tokens, supervised tokens, bytes, bytes per token against raw bf16, per source.
 
-    Reads only the ``source``, token-count and (regenerate runs) ``finish_reasons`` columns of each shard
-    (no state is decompressed); ``finish_reasons`` counts generated turns by reason.
+    Reads only the ``source``, token-count, (regenerate runs) ``finish_reasons`` and (``--topk`` runs) the
+    top-K columns of each shard (no cell is decompressed); ``finish_reasons`` counts generated turns by
+    reason. ``bytes_per_token`` counts whole shard files; ``topk_bytes_per_token`` the two top-K cells
+    alone (``topk`` K > 0 only); ``ratio_to_raw_states`` is all bytes over the raw bf16 state bytes.
     """
     loc = as_location(run)
     m = manifest_mod.read(loc)
@@ -32,9 +37,12 @@ def stat(run: str | os.PathLike | Location) -> dict:
     per_source: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     regenerated = h.mode == "regenerate"
     finished: collections.Counter = collections.Counter()
+    topk_bytes = 0
     for shard in m.shards:
         t = loc.read_table(shard["path"], ["source", "num_tokens", "num_loss_tokens"]
-                           + (["finish_reasons"] if regenerated else []))
+                           + (["finish_reasons"] if regenerated else []) + (list(topk_mod.COLUMNS) if h.topk else []))
+        if h.topk:
+            topk_bytes += sum(int(pc.sum(pc.binary_length(t[c])).as_py() or 0) for c in topk_mod.COLUMNS)
         for src, n, k in zip(t["source"].to_pylist(), t["num_tokens"].to_pylist(), t["num_loss_tokens"].to_pylist()):
             per_source[src].update(rows=1, tokens=n, loss_tokens=k)
         if regenerated:
@@ -59,6 +67,8 @@ def stat(run: str | os.PathLike | Location) -> dict:
         "bytes": nbytes,
         "bytes_per_token": round(nbytes / tokens, 1) if tokens else None,
         "raw_state_bytes_per_token": h.raw_bytes_per_token,
+        **({"topk": h.topk, "topk_bytes_per_token": round(topk_bytes / tokens, 1) if tokens else None}
+           if h.topk else {}),
         "ratio_to_raw_states": round(nbytes / (tokens * h.raw_bytes_per_token), 4) if tokens else None,
         "sources": {s: dict(c) | {"token_share": round(c["tokens"] / tokens, 4)}
                     for s, c in sorted(per_source.items(), key=lambda kv: -kv[1]["tokens"])},
@@ -66,7 +76,8 @@ def stat(run: str | os.PathLike | Location) -> dict:
 
 
 def head(run: str | os.PathLike | Location, n: int = 5) -> list[dict]:
-    """The first ``n`` committed rows: ids, lengths, the first token ids, per-column state norms."""
+    """The first ``n`` committed rows: ids, lengths, the first token ids, per-column state norms; for a
+    ``--topk`` run the top-5 ids at position 0 and the mean top-K probability mass (``sum exp`` over K)."""
     loc = as_location(run)
     out = []
     for shard in manifest_mod.read(loc).shards:
@@ -83,6 +94,9 @@ def head(run: str | os.PathLike | Location, n: int = 5) -> list[dict]:
                 **({"finish_reasons": list(r.finish_reasons)} if r.finish_reasons is not None else {}),
                 **{f"|{c}| mean": round(float(torch.linalg.vector_norm(t.float(), dim=-1).mean()), 2)
                    for c, t in r.states.items()},
+                **({"topk_ids[0][:5]": r.topk_ids[0, :5].tolist(),
+                    "topk mass mean": round(float(np.exp(r.topk_logprobs.astype(np.float64)).sum(1).mean()), 4)}
+                   if r.topk_ids is not None else {}),
             })
         if len(out) >= n:
             break

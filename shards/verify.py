@@ -4,7 +4,9 @@ Per shard: the file exists, its size and SHA-256 equal the manifest line, its sc
 run's identity, its rows, sample ids, tokens and supervised tokens equal the manifest's, and every row is
 self-consistent (``num_tokens`` = len(input_ids) = len(loss_mask) = len(argmax), ``num_loss_tokens`` =
 sum(loss_mask), every state cell decodes to ``[T, H]``, ``token_sha256`` recomputes, ``finish_reasons``
-fits the run's responses mode). Across shards: no sample id twice. Files in the folder that no manifest
+fits the run's responses mode; a ``--topk K`` run: both top-K cells decode to ``[T, K]``, ids are
+non-negative and distinct within a position, log-probabilities hold no NaN or +inf and do not increase
+along K). Across shards: no sample id twice. Files in the folder that no manifest
 line names are reported as garbage, not errors. A run on an object store (a URI, see :mod:`shards.run`)
 is read through its file system.
 """
@@ -23,7 +25,8 @@ from capture.errors import CaptureError
 from capture.hashing import token_sha256
 from shards import manifest as manifest_mod
 from shards.format import FormatError, RunHeader, read_header
-from shards.rows import state_columns, state_tensor
+from shards import topk as topk_mod
+from shards.rows import state_columns, state_tensor, topk_arrays
 from shards.run import Location, as_location
 
 
@@ -123,8 +126,38 @@ def _verify_shard(loc: Location, entry: dict, header: RunHeader) -> list[str]:
                 bad.append(i)
         if bad:
             problems.append(f"{column}: {len(bad)} row(s) do not decode to [T, H], e.g. {ids[bad[0]]}")
+    problems += _check_topk(table, header, ids)
     hashes = [token_sha256(v.values.to_numpy()) for v in table.column("input_ids")]
     bad = [i for i, (a, b) in enumerate(zip(hashes, table.column("token_sha256").to_pylist())) if a != b]
     if bad:
         problems.append(f"token_sha256 mismatch in {len(bad)} row(s), e.g. {ids[bad[0]]}")
     return problems
+
+
+def _check_topk(table: pa.Table, header: RunHeader, ids: list[str]) -> list[str]:
+    """The top-K cells of a ``--topk K`` run (module docstring); none in a run without."""
+    present = [c for c in topk_mod.COLUMNS if c in table.column_names]
+    if not header.topk:
+        return [f"top-K column(s) {present} in a run whose header has topk 0"] if present else []
+    if len(present) != len(topk_mod.COLUMNS):
+        return [f"no {', '.join(c for c in topk_mod.COLUMNS if c not in present)} column (header topk {header.topk})"]
+    undecodable, bad = [], []
+    for i in range(table.num_rows):
+        try:
+            top_ids, values = topk_arrays(table, i, header.topk)
+        except (ValueError, zstandard.ZstdError):
+            undecodable.append(i)
+            continue
+        ordered = np.sort(top_ids, axis=1)
+        with np.errstate(invalid="ignore"):  # -inf - -inf (probability 0 twice) is NaN, not an increase
+            rising = (np.diff(values, axis=1) > 0).any()
+        if (top_ids < 0).any() or (ordered[:, 1:] == ordered[:, :-1]).any() or np.isnan(values).any() \
+                or np.isposinf(values).any() or rising:
+            bad.append(i)
+    out = []
+    if undecodable:
+        out.append(f"top-K: {len(undecodable)} row(s) do not decode to [T, {header.topk}], e.g. {ids[undecodable[0]]}")
+    if bad:
+        out.append(f"top-K: {len(bad)} row(s) with negative or repeated ids, NaN/+inf or increasing log-probabilities, "
+                   f"e.g. {ids[bad[0]]}")
+    return out
