@@ -139,6 +139,9 @@ def targets(as_json: bool) -> None:
 @click.option("--layers", help="Comma-separated taps: output of decoder layer k, 0-based.")
 @click.option("--final", type=click.Choice(["none", "post-norm", "pre-norm"]), help="Also store the final state.")
 @click.option("--argmax/--no-argmax", default=None, help="Store the target's greedy next token (default on).")
+@click.option("--topk", type=int, metavar="K", help="Store the target's K largest next-token log-probabilities per "
+              "token (topk_ids, topk_logprobs; 1..1024, hf and vllm engines).")
+@click.option("--no-topk", is_flag=True, default=None, help="Store no top-K (the default; overrides a config file).")
 @click.option("--limit", type=int, help="Read at most N dataset rows (counted before any filter).")
 @click.option("--sources", help="Keep only these comma-separated sources.")
 @click.option("--exclude-sources", help="Drop these comma-separated sources.")
@@ -198,6 +201,10 @@ def run(config_file, as_json, no_progress, **flags) -> None:
     for key in ("source_caps", "vllm_args", "chat_template_kwargs"):
         if not flags[key]:
             flags.pop(key)
+    if flags.pop("no_topk"):
+        if flags["topk"] is not None:
+            raise CaptureError("--topk and --no-topk contradict each other; give one")
+        flags["topk"] = 0
     values.update({k: v for k, v in flags.items() if v is not None})
     if no_progress:
         values["progress"] = False

@@ -45,6 +45,7 @@ class RunConfig:
     layers: tuple[int, ...] | None = None
     final: Literal["none", "post-norm", "pre-norm"] | None = None
     argmax: bool = True
+    topk: int = 0  # store the target's K largest next-token log-probabilities per position (0: none)
     limit: int | None = None
     sources: tuple[str, ...] = ()
     exclude_sources: tuple[str, ...] = ()
@@ -120,6 +121,10 @@ def _validate(cfg: "RunConfig") -> None:
         value = getattr(cfg, name)
         if not (value is None and name in ("limit", "cpus_per_replica", "max_model_len")) and not (_is_int(value) and value >= low):
             bad(name, value, f"an integer >= {low}")
+    from shards.topk import MAX_K
+
+    if not (_is_int(cfg.topk) and 0 <= cfg.topk <= MAX_K):
+        bad("topk", cfg.topk, f"an integer in [0, {MAX_K}] (0 = no top-K; at most {MAX_K} log-probabilities a token)")
     for name in ("argmax", "dry_run", "progress"):
         if not isinstance(getattr(cfg, name), bool):
             bad(name, getattr(cfg, name), "true or false")

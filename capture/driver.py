@@ -32,7 +32,7 @@ import pyarrow.fs as pafs
 from capture.chat import ChatEncoder, load_encoder, packaged_template, tokenizer_sha256
 from capture.records import Tokenized
 from capture.config import RunConfig
-from capture.engines import NAMES, EngineSpec, engine_class, engine_spec, vllm_engine_args
+from capture.engines import NAMES, EngineSpec, engine_class, engine_spec, resolve_engine, vllm_engine_args
 from capture.data import DatasetRef, ReadStats, iter_conversations, resolve_dataset
 from capture.errors import CaptureError
 from capture.pool import ReplicaPool
@@ -42,6 +42,7 @@ from capture.targets import Taps, Target, make_taps, model_dir, resolve_target
 from filters import apply_filters, filter_prompt
 import provenance
 from shards import codecs
+from shards import topk as topk_mod
 from shards import format as shard_format
 from shards import manifest as manifest_mod
 from shards.format import RunHeader
@@ -106,6 +107,14 @@ def prepare(cfg: RunConfig) -> Prepared:
     encoder = load_encoder(str(mdir), chat_template_file=template_file, system_prompt=cfg.system_prompt,
                            special_text=cfg.special_text, template_kwargs=cfg.chat_template_kwargs)
     model_cfg = json.loads((mdir / "config.json").read_text())
+    if cfg.topk:  # before engine_spec: an engine that cannot give top-K is refused for that, wherever it could run
+        name = resolve_engine(cfg.engine)
+        if not engine_class(name).capabilities.topk:
+            takers = " or ".join(n for n in NAMES[1:] if engine_class(n).capabilities.topk)
+            raise CaptureError(f"--topk {cfg.topk}: the {name} engine cannot give top-K log-probabilities; use the {takers} engine")
+        vocab = model_cfg.get("text_config", model_cfg).get("vocab_size") or model_cfg.get("vocab_size")
+        if vocab and cfg.topk > int(vocab):
+            raise CaptureError(f"--topk {cfg.topk} is more than the target's vocabulary ({vocab} tokens)")
     vllm_args = vllm_engine_args(cfg.tp, cfg.max_model_len, cfg.gpu_memory_utilization, cfg.vllm_args)
     engine = engine_spec(cfg.engine, cfg.vllm_path, vllm_args, model_cfg)
     caps = engine.capabilities
@@ -135,6 +144,7 @@ def prepare(cfg: RunConfig) -> Prepared:
         responses=responses_header(cfg, encoder.end_ids),
         engine=engine.describe(),
         engine_version=engine.version(),
+        topk=cfg.topk,
     )
     context = model_cfg.get("max_position_embeddings")
     limit = engine.context_limit
@@ -196,9 +206,10 @@ def _units(records, unit_tokens: int):
 
 
 def bytes_per_token(header: RunHeader, codec: str | None = None) -> float:
-    """Estimated stored bytes per token: states at the codec's measured ratio, plus ids, mask, argmax."""
+    """Estimated stored bytes per token: states at the codec's measured ratio, plus ids, mask, argmax and
+    the top-K cells (measured bytes per kept entry, :data:`shards.topk.BYTES_PER_ENTRY`)."""
     states = header.raw_bytes_per_token * codecs.RATIO[codec or header.codec]
-    return states + 4 + 1 + (4 if header.argmax else 0)
+    return states + 4 + 1 + (4 if header.argmax else 0) + header.topk * topk_mod.BYTES_PER_ENTRY
 
 
 def plan(cfg: RunConfig) -> Summary:
@@ -242,9 +253,11 @@ def run(cfg: RunConfig) -> Summary:
         loc = resolve(cfg.out)
         if loc.kind() == pafs.FileType.File:
             raise CaptureError(f"--out {cfg.out} exists and is not a folder")
-        if manifest_mod.read(loc).header is None and [e for e in loc.entries() if e != LOCK]:
+        existing = manifest_mod.read(loc)
+        if existing.header is None and [e for e in loc.entries() if e != LOCK]:
             raise CaptureError(f"{cfg.out} is not empty and holds no capture run ({loc.manifest_name}); "
                                "give a new or empty folder")
+        manifest_mod.check_identity(cfg.out, existing, prep.header)  # before Ray starts (checked again under the lock)
         busy = f"another capture is writing to {cfg.out} (it holds {LOCK}); wait for it or use another --out"
         with loc.lock(busy=busy):
             return _run_locked(cfg, prep, started, loc, progress, timings)

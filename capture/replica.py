@@ -17,8 +17,9 @@ rejected with the filter's reason), then prefills and writes the records like da
 does not care which engine it has.
 
 Write-time validation: a record whose states hold NaN or Inf is rejected with the reason
-``nonfinite_states`` (counted, not written); a length mismatch between ids, mask, argmax and states is a
-bug in an engine and raises RuntimeError.
+``nonfinite_states`` (counted, not written), one whose top-K log-probabilities hold NaN or +inf with
+``nonfinite_topk`` (-inf, a probability of exactly 0, is kept); a length mismatch between ids, mask,
+argmax, top-K and states is a bug in an engine and raises RuntimeError.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import threading
 import time
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from capture.records import Prompt, Tokenized
@@ -69,8 +71,9 @@ def length_batches(records: Sequence[Tokenized], batch_tokens: int | None) -> li
     return batches
 
 
-def to_row(rec: Tokenized, cap: Captured, hidden_size: int) -> Row | str:
-    """Validate one captured record. Returns a Row, or the rejection reason."""
+def to_row(rec: Tokenized, cap: Captured, hidden_size: int, topk: int = 0) -> Row | str:
+    """Validate one captured record (``topk``: the run's K, 0 for none). Returns a Row, or the rejection
+    reason."""
     n = rec.num_tokens
     for column, t in cap.states.items():
         if tuple(t.shape) != (n, hidden_size):
@@ -79,11 +82,18 @@ def to_row(rec: Tokenized, cap: Captured, hidden_size: int) -> Row | str:
         raise RuntimeError(f"{rec.sample_id}: argmax has {cap.argmax.shape[0]} entries for {n} tokens")
     if rec.loss_mask.shape != (n,):
         raise RuntimeError(f"{rec.sample_id}: loss mask has {rec.loss_mask.shape[0]} entries for {n} tokens")
+    for name, a in (("topk_ids", cap.topk_ids), ("topk_logprobs", cap.topk_logprobs)):
+        if topk and (a is None or a.shape != (n, topk)):
+            raise RuntimeError(f"{rec.sample_id}: {name} has shape {None if a is None else a.shape}, expected ({n}, {topk})")
+        if not topk and a is not None:
+            raise RuntimeError(f"{rec.sample_id}: the engine returned {name} for a run without --topk")
     for column, t in cap.states.items():
         if not bool(torch.isfinite(t).all()):
             return f"nonfinite_states:{column}"
+    if topk and (np.isnan(cap.topk_logprobs).any() or np.isposinf(cap.topk_logprobs).any()):
+        return "nonfinite_topk"
     return Row(rec.sample_id, rec.source, rec.row_index, rec.input_ids, rec.loss_mask, cap.argmax, cap.states,
-               rec.token_sha256, rec.finish_reasons)
+               rec.token_sha256, rec.finish_reasons, cap.topk_ids, cap.topk_logprobs)
 
 
 class Replica:
@@ -95,9 +105,10 @@ class Replica:
                  batch_tokens: int, threads: int | None = None, codec_threads: int = 2,
                  engine: EngineSpec = EngineSpec("hf"), filters: FilterConfig | None = None, feed=None):
         self._load = lambda: load_engine(engine, model_dir, taps, argmax=header.argmax, dtype=header.dtype,
-                                         threads=threads)
+                                         threads=threads, topk=header.topk)
         self.engine = None  # loaded by start(): a Ray actor's constructor error loses its exception type
         self.hidden_size = header.hidden_size
+        self.topk = header.topk
         # an engine that schedules its own batches (vLLM's max_num_batched_tokens) gets the whole unit at once
         self.batch_tokens = None if engine.capabilities.own_batching else batch_tokens
         self.responses = header.responses
@@ -158,7 +169,7 @@ class Replica:
             result.engine_seconds += time.perf_counter() - t0
             self._report(sum(r.num_tokens for r in batch))
             for rec, cap in zip(batch, captured):
-                row = to_row(rec, cap, self.hidden_size)
+                row = to_row(rec, cap, self.hidden_size, self.topk)
                 if isinstance(row, str):
                     result.rejected[rec.sample_id] = row
                 else:

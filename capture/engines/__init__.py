@@ -151,13 +151,16 @@ def resolve_vllm_path(path: str, model_config: dict) -> str:
 
 
 def load_engine(spec: EngineSpec, model_dir: str, taps: Taps, *, argmax: bool, dtype: str,
-                threads: int | None = None, seed: int = 0):
-    """Build the engine ``spec`` names (``threads``: torch intra-op threads for hf)."""
+                threads: int | None = None, seed: int = 0, topk: int = 0):
+    """Build the engine ``spec`` names (``threads``: torch intra-op threads for hf; ``topk``: K of the
+    top-K log-probabilities, for an engine whose capabilities say ``topk``, else CaptureError)."""
+    if topk and not spec.capabilities.topk:
+        raise CaptureError(f"--engine {spec.name} cannot give top-K log-probabilities (--topk {topk})")
     if spec.name == "vllm":
         from capture.engines.vllm import VLLMEngine
 
         return VLLMEngine(model_dir, taps, argmax=argmax, dtype=dtype, path=spec.vllm_path,
-                          engine_args=dict(spec.vllm_args), seed=seed)
+                          engine_args=dict(spec.vllm_args), seed=seed, topk=topk)
     if spec.name == "exl3":
         import json
         from pathlib import Path
@@ -169,4 +172,4 @@ def load_engine(spec: EngineSpec, model_dir: str, taps: Taps, *, argmax: bool, d
         return EXL3Engine(model_dir, taps, argmax=argmax, num_layers=layers)
     from capture.engines.hf import HFEngine
 
-    return HFEngine(model_dir, taps, argmax=argmax, dtype=dtype, threads=threads)
+    return HFEngine(model_dir, taps, argmax=argmax, dtype=dtype, threads=threads, topk=topk)

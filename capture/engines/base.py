@@ -12,10 +12,15 @@ import torch
 
 @dataclasses.dataclass
 class Captured:
-    """States of one sequence. ``states``: column name → bf16 tensor ``[T, H]``; ``argmax``: int32 ``[T]``."""
+    """States of one sequence. ``states``: column name → bf16 tensor ``[T, H]``; ``argmax``: int32 ``[T]``;
+    ``topk_ids`` int32 ``[T, K]`` / ``topk_logprobs`` float32 ``[T, K]``: the K most likely next tokens at
+    each position and their log-probabilities over the full vocabulary, descending, ties to the lower id
+    (an engine built with ``topk=K > 0``; else None)."""
 
     states: dict[str, torch.Tensor]
     argmax: np.ndarray | None
+    topk_ids: np.ndarray | None = None
+    topk_logprobs: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +51,8 @@ class Capabilities:
     its own batches (vLLM's ``max_num_batched_tokens``), so a replica hands it a whole work unit at once
     instead of ``--batch-tokens`` batches. ``state_dtype``: the dtype its states come in when that is not
     the target's (exllamav3 exports float16), recorded as the run's dtype. ``finals``: the final-state
-    conventions it captures. ``topk``: it can give the target's top-K logits. ``devices``: where it runs
+    conventions it captures. ``topk``: it can give the target's top-K next-token log-probabilities
+(``--topk K``; the driver refuses K > 0 for an engine without). ``devices``: where it runs
     (``cpu``, ``cuda``). ``gpus_per_tp_rank``: a replica reserves ``tp`` GPUs from Ray when the cluster
     has GPUs. ``options``: run settings (``RunConfig`` field names) only this engine takes; the driver
     refuses them for the others.

@@ -21,6 +21,11 @@ needed, the forward stops right after the last tapped layer.
 ``argmax[t]`` is the target's greedy prediction for token t+1: ``argmax(lm_head(norm(h_{L-1}))[t])``,
 computed in chunks over the real tokens only, so a ``[T, vocab]`` logits tensor never exists.
 
+Top-K (``topk=K > 0``): per chunk of real tokens (at most 2**24 logits at once), the logits are widened to
+float32, ``log_softmax`` over the full vocabulary gives the values, and the K largest are taken in the
+order (logit descending, token id ascending: ties go to the lower id, the rule of ``torch.argmax``), so
+``topk_ids[:, 0]`` is the argmax (and is stored as it when both are captured).
+
 :meth:`HFEngine.generate` (self-distillation, see :mod:`capture.regenerate`) runs ``model.generate`` on a
 left-padded batch with an attention mask; the tap hooks are idle while it runs. Greedy decoding
 (temperature 0) is deterministic for a given batch; left padding changes bf16 kernels' shapes, so in
@@ -63,15 +68,33 @@ def load_causal_lm(model_dir: str, dtype: torch.dtype, device_map: str | None = 
     return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype, device_map=device_map).eval()
 
 
+def _ordered_topk(logits: torch.Tensor, k: int, margin: int = 16) -> torch.Tensor:
+    """Indices ``[N, k]`` of the k largest of each row of ``logits`` ``[N, V]``, by value descending and,
+    among equal values, index ascending (``torch.topk`` leaves the order of ties open; bf16 logits tie
+    often). The candidates are the ``k + margin`` largest, widened until every value equal to the k-th
+    is among them."""
+    vocab = logits.shape[-1]
+    m = min(vocab, k + margin)
+    while True:
+        vals, idx = torch.topk(logits, m, dim=-1, sorted=True)
+        if m == vocab or bool((vals[:, m - 1] < vals[:, k - 1]).all()):
+            break
+        m = min(vocab, 2 * m)
+    by_id = torch.sort(idx, dim=-1, stable=True).indices
+    idx, vals = idx.gather(-1, by_id), vals.gather(-1, by_id)
+    by_value = torch.sort(vals, dim=-1, descending=True, stable=True).indices[:, :k]
+    return idx.gather(-1, by_value)
+
+
 class HFEngine:
     """Load ``model_dir`` and capture ``taps``. ``threads`` sets torch's intra-op threads (None: unchanged);
     ``device_map`` (e.g. ``"auto"`` on a GPU machine; None: CPU) places the model, states come back on CPU."""
 
     name = "hf"
-    capabilities = Capabilities(generates=True, devices=("cpu",))  # load_engine passes no device_map yet
+    capabilities = Capabilities(generates=True, topk=True, devices=("cpu",))  # load_engine passes no device_map yet
 
     def __init__(self, model_dir: str, taps: Taps, *, argmax: bool = True, dtype: str = "bfloat16", threads: int | None = None,
-                 device_map: str | None = None):
+                 device_map: str | None = None, topk: int = 0):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # one progress bar per run (the driver's), not one per replica
@@ -79,6 +102,7 @@ class HFEngine:
             torch.set_num_threads(threads)
         self.taps = taps
         self.want_argmax = argmax
+        self.topk = int(topk)
         self.model = load_causal_lm(model_dir, getattr(torch, dtype), device_map)
         self.device = self.model.get_input_embeddings().weight.device
         self.one_at_a_time = self.model.config.model_type in UNPADDED_ARCHITECTURES
@@ -97,7 +121,7 @@ class HFEngine:
 
     def _last_needed_layer(self) -> int | None:
         """Layer after which the forward can stop, or None when the norm / LM head are needed."""
-        if self.want_argmax or self.taps.final == "post-norm":
+        if self.want_argmax or self.topk or self.taps.final == "post-norm":
             return None
         return self.num_layers - 1 if self.taps.final == "pre-norm" else max(self.taps.layers)
 
@@ -138,8 +162,16 @@ class HFEngine:
         out = []
         for i, n in enumerate(lengths):
             states = {c: self._saved[c][i, :n].to("cpu").contiguous() for c in columns}
-            argmax = self._argmax(last[i, :n]) if self.want_argmax else None
-            out.append(Captured(states, argmax))
+            top_ids = top_values = None
+            if self.topk:
+                top_ids, top_values = self._topk(last[i, :n], self.topk)
+            if not self.want_argmax:
+                argmax = None
+            elif top_ids is not None:
+                argmax = top_ids[:, 0].copy()
+            else:
+                argmax = self._argmax(last[i, :n])
+            out.append(Captured(states, argmax, top_ids, top_values))
         self._saved.clear()
         return out
 
@@ -147,6 +179,21 @@ class HFEngine:
         head = self.model.get_output_embeddings()
         parts = [head(normed[s : s + chunk]).argmax(dim=-1) for s in range(0, normed.shape[0], chunk)]
         return torch.cat(parts).to("cpu", torch.int32).numpy()
+
+    def _topk(self, normed: torch.Tensor, k: int, budget: int = 1 << 24) -> tuple[np.ndarray, np.ndarray]:
+        """The K largest next-token log-probabilities at each of ``normed``'s positions (post-norm states
+        ``[T, H]``): int32 ids and float32 ``log_softmax`` values ``[T, K]``, descending, ties to the lower
+        id; at most ``budget`` logits are held at once."""
+        head = self.model.get_output_embeddings()
+        vocab = int(head.weight.shape[0])
+        chunk = max(1, min(1024, budget // vocab))
+        ids, values = [], []
+        for s in range(0, normed.shape[0], chunk):
+            logits = head(normed[s : s + chunk]).float()  # bf16 → float32 is exact
+            top = _ordered_topk(logits, k)
+            ids.append(top)
+            values.append(torch.log_softmax(logits, dim=-1).gather(-1, top))
+        return torch.cat(ids).to("cpu", torch.int32).numpy(), torch.cat(values).to("cpu").numpy()
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[np.ndarray], sampling: Sampling, stop_ids: Sequence[int]) -> list[Generated]:

