@@ -78,5 +78,5 @@ def samples(table: pa.Table, header: RunHeader) -> list[dict]:
     """A ``pyarrow`` batch of :func:`read_run` as :class:`shards.stream.ShardStream` sample dicts: ids
     int64 ``[T]``, mask bool ``[T]``, argmax int64 ``[T]``, taps bf16 ``[T, L, H]``, final ``[T, H]``,
     ``topk_ids`` int64 / ``topk_logprobs`` float32 ``[T, K]`` (``--topk`` runs)."""
-    return [row_sample(table, i, header.tap_layers, header.argmax, header.final_kind is not None, header.topk > 0)
+    return [row_sample(table, i, header.tap_layers, header.argmax, header.final_kind is not None, header.topk)
             for i in range(table.num_rows)]

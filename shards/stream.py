@@ -84,7 +84,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from capture.errors import CaptureError
 from shards import manifest as manifest_mod
 from shards.format import FINAL, RunHeader, tap_column
-from shards.rows import read_row
+from shards.rows import read_row, topk_arrays
 from shards.topk import IDS as TOPK_IDS, LOGPROBS as TOPK_LOGPROBS
 from shards.run import Location, as_location
 
@@ -109,12 +109,12 @@ def in_split(sample_id: str, split: str, heldout_fraction: float) -> bool:
 
 
 def row_sample(table: pa.Table | pa.RecordBatch, row: int, taps_layers: Sequence[int], argmax: bool,
-               final: bool, topk: bool = False) -> dict:
+               final: bool, topk: int = 0) -> dict:
     """Row ``row`` of a shard table as a sample dict (the module docstring's contract), decoded by
-    :func:`shards.rows.read_row`: taps ``taps_layers`` stacked in that order ``[T, L, H]``, ``argmax``,
-    ``final`` and the top-K arrays included when asked."""
+    :func:`shards.rows.read_row`: taps ``taps_layers`` stacked in that order ``[T, L, H]``, ``argmax``
+    and ``final`` included when asked, the top-K arrays when ``topk`` (the run's K) is not 0."""
     columns = [tap_column(k) for k in taps_layers] + ([FINAL] if final else [])
-    r = read_row(table, row, states=columns, topk=topk)
+    r = read_row(table, row, states=columns, topk=False)
     out = {"sample_id": r.sample_id, "source": r.source,
            "input_ids": torch.from_numpy(r.input_ids.astype("int64")),
            "loss_mask": torch.from_numpy(r.loss_mask)}
@@ -123,9 +123,10 @@ def row_sample(table: pa.Table | pa.RecordBatch, row: int, taps_layers: Sequence
     out["taps"] = torch.stack([r.states[c] for c in columns[:len(taps_layers)]], dim=1)
     if final:
         out["final"] = r.states[FINAL]
-    if topk:
-        out[TOPK_IDS] = torch.from_numpy(r.topk_ids.astype("int64"))
-        out[TOPK_LOGPROBS] = torch.from_numpy(r.topk_logprobs)
+    if topk:  # K from the header: a batch that lost the field metadata (Ray Data) decodes too
+        top_ids, top_values = topk_arrays(table, row, topk)
+        out[TOPK_IDS] = torch.from_numpy(top_ids.astype("int64"))
+        out[TOPK_LOGPROBS] = torch.from_numpy(top_values)
     return out
 
 
@@ -296,7 +297,7 @@ class ShardStream(IterableDataset):
 
     def sample(self, table: pa.Table, row: int) -> dict:
         """Row ``row`` of a shard table as a sample dict (the module docstring's contract)."""
-        return row_sample(table, row, self.taps_layers, self.has_argmax, self.final_kind is not None, self.topk > 0)
+        return row_sample(table, row, self.taps_layers, self.has_argmax, self.final_kind is not None, self.topk)
 
     # ---------------------------------------------------------------- epochs and resume
 
