@@ -143,6 +143,7 @@ def targets(as_json: bool) -> None:
               "token (topk_ids, topk_logprobs; 1..1024, hf and vllm engines).")
 @click.option("--no-topk", is_flag=True, default=None, help="Store no top-K (the default; overrides a config file).")
 @click.option("--limit", type=int, help="Read at most N dataset rows (counted before any filter).")
+@click.option("--skip", type=int, help="Pass over the first N dataset rows (sample ids keep their row index).")
 @click.option("--sources", help="Keep only these comma-separated sources.")
 @click.option("--exclude-sources", help="Drop these comma-separated sources.")
 @click.option("--source-cap", "source_caps", multiple=True, help="SOURCE=N: at most N rows of SOURCE (repeatable).")

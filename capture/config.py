@@ -47,6 +47,7 @@ class RunConfig:
     argmax: bool = True
     topk: int = 0  # store the target's K largest next-token log-probabilities per position (0: none)
     limit: int | None = None
+    skip: int = 0  # raw dataset rows passed over before reading (sample ids keep their row index)
     sources: tuple[str, ...] = ()
     exclude_sources: tuple[str, ...] = ()
     source_caps: tuple[tuple[str, int], ...] = ()
@@ -95,7 +96,7 @@ _CHOICES = {
     "vllm_path": ("auto", "extract", "hooks"),
 }
 _INTS = {  # field: smallest allowed value (None allowed where the default is None)
-    "limit": 0, "shard_size": 1, "batch_tokens": 1, "unit_tokens": 1, "replicas": 1, "cpus_per_replica": 1,
+    "limit": 0, "skip": 0, "shard_size": 1, "batch_tokens": 1, "unit_tokens": 1, "replicas": 1, "cpus_per_replica": 1,
     "codec_threads": 1, "disk_reserve": 0, "max_unit_attempts": 1, "max_new_tokens": 1, "seed": 0, "tp": 1, "max_model_len": 1,
 }
 

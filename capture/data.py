@@ -153,6 +153,7 @@ def iter_conversations(
     stats: ReadStats,
     *,
     limit: int | None = None,
+    skip: int = 0,
     sources: Collection[str] = (),
     exclude_sources: Collection[str] = (),
     source_caps: Mapping[str, int] | None = None,
@@ -161,7 +162,9 @@ def iter_conversations(
 ) -> Iterator[Conversation]:
     """Yield the dataset's rows as normalized :class:`Conversation` objects, streaming.
 
-    ``limit`` caps the raw rows read (before any filter or skip). ``source_column`` names the column
+    ``skip`` raw rows are passed over first (their row indices, and so the sample ids of the rows
+    after them, are kept: ``skip=1000`` starts at ``<dataset>:1000``); ``limit`` then caps the raw rows
+    read (before any filter or skip reason). ``source_column`` names the column
     that gives a row's source (Open-PerfectBlend: ``source``). Each row read is either yielded or
     skipped with exactly one reason, counted in ``stats.skipped`` and logged at DEBUG:
 
@@ -193,6 +196,8 @@ def iter_conversations(
         raise CaptureError(f"alternation must be 'normalize' or 'skip', got {alternation!r}")
     if limit is not None and limit < 0:
         raise CaptureError(f"limit must be >= 0, got {limit}")
+    if skip < 0:
+        raise CaptureError(f"skip must be >= 0, got {skip}")
     caps = dict(source_caps or {})
     for src, cap in caps.items():
         if cap < 0:
@@ -200,8 +205,9 @@ def iter_conversations(
     sources, exclude_sources = set(sources), set(exclude_sources)
     per_source: collections.Counter = collections.Counter()
 
-    # islice stops before pulling row `limit`, so the reader never looks past it
-    for row_index, row in enumerate(itertools.islice(_iter_rows(ref, stats), limit)):
+    # islice stops before pulling row `skip + limit`, so the reader never looks past it
+    end = None if limit is None else skip + limit
+    for row_index, row in enumerate(itertools.islice(_iter_rows(ref, stats), skip, end), start=skip):
         stats.rows_read += 1
         sample_id = f"{ref.name}:{row_index}"
         src = row.get(source_column) if isinstance(row, dict) else None

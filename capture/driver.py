@@ -159,7 +159,7 @@ def _records(cfg: RunConfig, prep: Prepared, summary: Summary, done: set[str], s
     stats = ReadStats()
     skipped: collections.Counter = collections.Counter()
     specials = prep.encoder.special_strings()
-    convs = iter_conversations(prep.dataset, stats, limit=cfg.limit, sources=cfg.sources,
+    convs = iter_conversations(prep.dataset, stats, limit=cfg.limit, skip=cfg.skip, sources=cfg.sources,
                                exclude_sources=cfg.exclude_sources, source_caps=dict(cfg.source_caps) or None,
                                alternation=cfg.alternation)
     try:
@@ -441,7 +441,7 @@ def _finish_provenance(loc: Location, record: dict, summary: Summary, status: st
 
 def _filter_settings(cfg: RunConfig) -> dict:
     """Every setting that decides which dataset rows become records (for provenance.json)."""
-    return {**dataclasses.asdict(cfg.filters), "limit": cfg.limit, "sources": list(cfg.sources),
+    return {**dataclasses.asdict(cfg.filters), "limit": cfg.limit, "skip": cfg.skip, "sources": list(cfg.sources),
             "exclude_sources": list(cfg.exclude_sources), "source_caps": dict(cfg.source_caps),
             "alternation": cfg.alternation, "special_text": cfg.special_text, "system_prompt": cfg.system_prompt}
 

@@ -67,11 +67,16 @@ def generation_batches(prompts: Sequence[np.ndarray], max_new_tokens: int,
 
 
 def regenerate(engine, prompts: Sequence[Prompt], sampling: Sampling, stop_ids: Sequence[int], *,
-               batch_tokens: int | None = None, on_batch: Callable[[int], None] | None = None) -> list[Tokenized]:
+               batch_tokens: int | None = None, on_batch: Callable[[int], None] | None = None,
+               budget: int | None = None) -> list[Tokenized]:
     """Generate the answers of ``prompts`` with ``engine``; one :class:`Tokenized` each, in order:
     ``input_ids`` int32 ``[T]`` (segments and generated ids), ``loss_mask`` bool ``[T]`` (True on the
     generated ids), ``finish_reasons`` one ``"stop"``/``"length"`` per generated turn. ``on_batch``: called
-    after each generation call with the tokens it generated (for progress)."""
+    after each generation call with the tokens it generated (for progress). ``budget``: the length
+    filter's ``max_tokens``: a conversation whose record already holds more tokens before its next answer
+    would start stops there. The filter then gives the same result as after generating the rest
+    (``truncate`` cuts every later answer whole, ``drop`` drops the record either way), without the
+    generation time (with ``--regenerate-policy every``, most of it for long conversations)."""
     parts: list[list[np.ndarray]] = [[p.segments[0]] for p in prompts]
     masks: list[list[np.ndarray]] = [[np.zeros(len(p.segments[0]), dtype=bool)] for p in prompts]
     reasons: list[list[str]] = [[] for _ in prompts]
@@ -94,7 +99,8 @@ def regenerate(engine, prompts: Sequence[Prompt], sampling: Sampling, stop_ids: 
                         and ids[-1] == prompt.turn_ends[turn]):
                     parts[i].append(prompt.segments[turn + 1])
                     masks[i].append(np.zeros(len(prompt.segments[turn + 1]), dtype=bool))
-                    going.append(i)
+                    if budget is None or sum(len(p) for p in parts[i]) <= budget:
+                        going.append(i)
         active = sorted(going)
     return [Tokenized(p.sample_id, p.row_index, p.source, np.concatenate(parts[i]), np.concatenate(masks[i]),
                       tuple(reasons[i])) for i, p in enumerate(prompts)]

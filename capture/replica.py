@@ -191,7 +191,7 @@ class Replica:
     def _regenerate(self, prompts: Sequence[Prompt], rejected: dict[str, str]) -> list[Tokenized]:
         """Generated records of ``prompts`` that pass the length filters; the others go to ``rejected``."""
         records = regenerate(self.engine, prompts, sampling_of(self.responses), self.responses["stop_ids"],
-                             batch_tokens=self.batch_tokens, on_batch=self._report)
+                             batch_tokens=self.batch_tokens, on_batch=self._report, budget=self.filters.max_tokens)
         kept = []
         for rec in records:
             filtered, reason = apply_filters(rec, self.filters, set())

@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+import numpy as np
+
 from capture.records import Prompt, Tokenized
 
 
@@ -51,6 +53,17 @@ class FilterConfig:
             raise CaptureError(f"dedup: {self.dedup!r} is not true or false")
 
 
+def _truncate(rec: Tokenized, limit: int) -> Tokenized:
+    """The first ``limit`` tokens of ``rec``; regenerated records keep the finish reasons of the answers
+    still in it (each answer is one run of supervised tokens)."""
+    mask = rec.loss_mask[:limit]
+    reasons = rec.finish_reasons
+    if reasons is not None:
+        answers = int(np.count_nonzero(mask[1:] & ~mask[:-1])) + int(bool(mask[:1].any()))
+        reasons = tuple(reasons[:answers])
+    return dataclasses.replace(rec, input_ids=rec.input_ids[:limit], loss_mask=mask, finish_reasons=reasons)
+
+
 def apply_filters(
     rec: Tokenized, cfg: FilterConfig, seen: set[str], context_len: int | None = None
 ) -> tuple[Tokenized | None, str | None]:
@@ -62,7 +75,7 @@ def apply_filters(
         if limit is not None and rec.num_tokens > limit:
             if cfg.overlength == "drop":
                 return None, reason
-            rec = dataclasses.replace(rec, input_ids=rec.input_ids[:limit], loss_mask=rec.loss_mask[:limit])
+            rec = _truncate(rec, limit)
     if cfg.min_tokens is not None and rec.num_tokens < cfg.min_tokens:
         return None, "under_min_tokens"
     if cfg.min_loss_tokens is not None and rec.num_loss_tokens < cfg.min_loss_tokens:

@@ -152,6 +152,15 @@ def test_sharegpt_limit_50():
     assert [c.row_index for c in convs] == list(range(50))
 
 
+def test_skip_keeps_row_indices_and_sample_ids():
+    every, _ = read(resolve_dataset("sharegpt"), limit=60)
+    later, stats = read(resolve_dataset("sharegpt"), skip=40, limit=20)
+    assert stats.rows_read == 20 and [c.row_index for c in later] == [c.row_index for c in every if c.row_index >= 40]
+    assert later == [c for c in every if c.row_index >= 40] and later[0].sample_id == "sharegpt:40"
+    with pytest.raises(CaptureError, match="skip must be >= 0"):
+        read(resolve_dataset("sharegpt"), skip=-1)
+
+
 def test_limit_zero_reads_nothing():
     convs, stats = read(resolve_dataset("sharegpt"), limit=0)
     assert convs == [] and stats.rows_read == 0

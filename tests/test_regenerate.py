@@ -299,3 +299,34 @@ def test_bad_regenerate_settings_are_one_line(tmp_path, args, message):
     assert result.stderr.startswith("error: ") and message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+def test_budget_stops_generating_what_the_length_filter_cuts(encoder, engine):
+    """With a max-tokens budget, a conversation stops before an answer that would start past it: the
+    filtered record is the same as after generating every turn (truncate and drop), for fewer tokens."""
+    from capture.engines.base import Sampling
+    from capture.regenerate import regenerate
+    from filters import FilterConfig, apply_filters
+
+    prompts = [encoder.encode_prompt(c, "every") for c in sharegpt(EVERY_ROWS)]
+    sampling = Sampling(max_new_tokens=32)
+    generated = {"full": [], "budget": []}
+    # batch_tokens=1: each prompt alone, so a batch's composition never changes a greedy answer
+    full = regenerate(engine, prompts, sampling, [IM_END], batch_tokens=1, on_batch=generated["full"].append)
+    first_two = [int(np.flatnonzero(np.diff(r.loss_mask.astype(np.int8)) == -1)[1]) + 1 for r in full]
+    budget = max(first_two)  # both records hold their first two answers; later ones start past the budget
+    assert all(r.num_tokens > budget for r in full) and all(len(r.finish_reasons) >= 3 for r in full)
+    cut = regenerate(engine, prompts, sampling, [IM_END], batch_tokens=1, on_batch=generated["budget"].append,
+                     budget=budget)
+    assert sum(generated["budget"]) < sum(generated["full"])
+    for policy in ("truncate", "drop"):
+        cfg = FilterConfig(max_tokens=budget, overlength=policy)
+        for a, b in zip(full, cut):
+            (ra, why_a), (rb, why_b) = apply_filters(a, cfg, set()), apply_filters(b, cfg, set())
+            assert why_a == why_b
+            if policy == "truncate":
+                np.testing.assert_array_equal(ra.input_ids, rb.input_ids)
+                np.testing.assert_array_equal(ra.loss_mask, rb.loss_mask)
+                assert ra.finish_reasons == rb.finish_reasons == a.finish_reasons[:len(spans(ra.loss_mask))]
+            else:
+                assert why_a == "over_max_tokens"
