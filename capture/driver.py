@@ -99,6 +99,10 @@ class Prepared:
 def prepare(cfg: RunConfig) -> Prepared:
     """Resolve target, taps, dataset, model folder, tokenizer and run header (no engine loaded): every
     user error is raised here, before anything is written."""
+    if resolve_engine(cfg.engine) == "exl3":  # first: an engine that cannot run here is refused before any loading
+        from capture.engines.exl3 import check_exl3
+
+        check_exl3()
     target = resolve_target(cfg.target)
     taps = make_taps(target, cfg.layers, cfg.final)
     dataset = resolve_dataset(cfg.dataset, cfg.split)

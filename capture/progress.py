@@ -7,6 +7,8 @@ seconds while it waits, so the elapsed time moves during a model load and before
 Tokens arrive per forward batch, not per work unit: each replica puts the batch's token count on a
 :class:`Feed` (a ``ray.util.queue.Queue``: a small actor that reserves no CPU) and the driver drains it on
 every refresh. The postfix counts rows through the engine, rows committed, MiB committed and an ETA.
+The bar first draws :data:`DELAY_S` seconds into the run (tqdm's ``delay``), so a user error found
+while preparing prints as its one line alone.
 
 :class:`Timings` adds up the wall-clock seconds of each part of a run for the summary: ``prepare``
 (driver: model conversion, tokenizer, dataset), ``start`` (Ray and the replicas' engine loads, wall
@@ -18,9 +20,11 @@ shards in each replica's writer thread, beside the engine; summed over replicas)
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import IO
 
 REFRESH_S = 0.5  # the longest the display goes without a redraw while a run waits
+DELAY_S = 2.0  # nothing is drawn before this many seconds (the checks that refuse a run come first)
 
 
 @dataclasses.dataclass
@@ -54,7 +58,8 @@ class Progress:
         from tqdm import tqdm
 
         self.bar = tqdm(desc="capture [starting]", unit="tok", unit_scale=True, disable=not enabled,
-                        dynamic_ncols=True, file=file, mininterval=REFRESH_S)
+                        dynamic_ncols=True, file=file, mininterval=REFRESH_S, delay=DELAY_S)
+        self._draw_from = time.monotonic() + DELAY_S
         self.feed = None  # a Feed once Ray runs (see :func:`feed`)
         self.tokens = 0
         self._status = "starting"
@@ -64,7 +69,11 @@ class Progress:
         if text != self._status:
             self._status = text
             self.bar.set_description_str(f"capture [{text}]", refresh=False)
-        self.bar.refresh()
+        self._refresh()
+
+    def _refresh(self) -> None:
+        if time.monotonic() >= self._draw_from:  # tqdm's delay covers update(), not an explicit refresh
+            self.bar.refresh()
 
     def tick(self, status: str | None = None) -> None:
         """Drain the feed (tokens per forward batch), set the phase when given, redraw."""
@@ -77,7 +86,7 @@ class Progress:
         if status is not None:
             self.status(status)
         else:
-            self.bar.refresh()
+            self._refresh()
 
     def postfix(self, **values) -> None:
         self.bar.set_postfix(**values, refresh=False)
