@@ -74,13 +74,14 @@ def regenerate(engine, prompts: Sequence[Prompt], sampling: Sampling, stop_ids: 
     generated ids), ``finish_reasons`` one ``"stop"``/``"length"`` per generated turn. ``on_batch``: called
     after each generation call with the tokens it generated (for progress). ``budget``: the length
     filter's ``max_tokens``: a conversation whose record already holds more tokens before its next answer
-    would start stops there. The filter then gives the same result as after generating the rest
-    (``truncate`` cuts every later answer whole, ``drop`` drops the record either way), without the
+    would start stops there (a prompt longer than that is not answered at all). The filter then gives
+    the same result as after generating the rest (``truncate`` cuts every later answer whole, ``drop`` drops the record either way), without the
     generation time (with ``--regenerate-policy every``, most of it for long conversations)."""
     parts: list[list[np.ndarray]] = [[p.segments[0]] for p in prompts]
     masks: list[list[np.ndarray]] = [[np.zeros(len(p.segments[0]), dtype=bool)] for p in prompts]
     reasons: list[list[str]] = [[] for _ in prompts]
-    active = list(range(len(prompts)))
+    # a prompt already past the budget gets no answer: the filter would cut every generated token
+    active = [i for i, p in enumerate(prompts) if budget is None or len(p.segments[0]) <= budget]
     while active:
         contexts = [np.concatenate(parts[i]) for i in active]
         going = []

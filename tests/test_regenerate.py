@@ -330,3 +330,11 @@ def test_budget_stops_generating_what_the_length_filter_cuts(encoder, engine):
                 assert ra.finish_reasons == rb.finish_reasons == a.finish_reasons[:len(spans(ra.loss_mask))]
             else:
                 assert why_a == "over_max_tokens"
+    # a prompt already past the budget is not answered at all: the filter drops it either way
+    short = len(prompts[0].segments[0]) - 1
+    tokens = []
+    none = regenerate(engine, prompts[:1], sampling, [IM_END], batch_tokens=1, on_batch=tokens.append, budget=short)
+    assert tokens == [] and none[0].num_loss_tokens == 0 and none[0].finish_reasons == ()
+    for policy in ("truncate", "drop"):
+        cfg = FilterConfig(max_tokens=short, overlength=policy)
+        assert apply_filters(none[0], cfg, set())[1] == apply_filters(full[0], cfg, set())[1] != None
