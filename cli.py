@@ -393,23 +393,33 @@ def _drafter_values(config_file, flags: dict) -> dict:
 @click.option("--out", help="Output folder: model.safetensors, config.json, metrics.jsonl.")
 @click.option("--target-dir", type=click.Path(), help="Model folder with the target's safetensors "
               "(default: the run's provenance.json model_dir).")
+@click.option("--heldout-run", help="Score on every row of this run (e.g. the target's own answers to held-out "
+              "prompts) instead of a --heldout-fraction split; train rows sharing a prompt with it are dropped.")
 @click.option("--seed", type=int)
-@click.option("--block-size", type=int, help="Tokens drafted per anchor (default 8).")
-@click.option("--context", type=int, help="Context positions each block attends to (default 8).")
+@click.option("--block-size", type=int, help="Block of B: the anchor token and B-1 drafted tokens (default 8).")
+@click.option("--window", type=int, help="Context positions before the anchor a block attends to (default 2048).")
 @click.option("--d-model", type=int)
 @click.option("--n-layers", type=int)
 @click.option("--n-heads", type=int)
+@click.option("--dropout", type=float, help="Dropout on the context features and residual branches (default 0).")
+@click.option("--lookup", type=int, help="Give drafted slots the prompt-lookup draft of an n-gram match of this "
+              "length (default 2; 0: off).")
 @click.option("--steps", type=int)
-@click.option("--anchors-per-step", type=int)
+@click.option("--anchors-per-step", type=int, help="Blocks per optimizer step.")
+@click.option("--anchors-per-seq", type=int, help="Anchors drawn from one conversation per batch row.")
 @click.option("--lr", type=float)
 @click.option("--weight-decay", type=float)
 @click.option("--warmup-steps", type=int)
-@click.option("--loss-decay", type=float, help="Block position j weighs exp(-j / loss_decay); 0: equal.")
+@click.option("--loss-decay", type=float, help="Drafted slot j weighs exp(-(j-1) / loss_decay); 0: equal.")
 @click.option("--labels", type=click.Choice(["argmax", "dataset"]), help="Train on the target's greedy tokens "
               "(default) or the dataset's tokens.")
+@click.option("--kl-weight", type=float, help="Add this times the cross-entropy against the stored top-K "
+              "distribution (a run captured with --topk).")
 @click.option("--head-vocab", type=click.Choice(["train-labels", "full"]))
+@click.option("--draft-vocab-size", type=int, help="Score only the N most frequent train labels (0: all).")
 @click.option("--heldout-fraction", type=float, help="Held-out share by sample_id hash (default 0.1).")
 @click.option("--eval-anchors", type=int, help="Held-out anchors scored, evenly spaced (0: all).")
+@click.option("--precision", type=click.Choice(["bfloat16", "float32"]), help="Autocast dtype of the forward.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def drafter_train(config_file, no_progress, as_json, **flags) -> None:
@@ -426,8 +436,17 @@ def drafter_train(config_file, no_progress, as_json, **flags) -> None:
 
 def _print_drafter_scores(result: dict) -> None:
     rows = [{"model": name, "accept_len": f"{s['accept_len']:.4f}", "with_bonus": f"{s['accept_len_with_bonus']:.4f}",
-             "first_token_acc": f"{s['first_token_acc']:.4f}", "blocks": s["blocks"]}
+             "first_token_acc": f"{s['first_token_acc']:.4f}",
+             "slot_acc": " ".join(f"{x:.2f}" for x in s["position_acc"]), "blocks": s["blocks"]}
             for name, s in result.items() if isinstance(s, dict) and "accept_len" in s]
+    if "data" in result:
+        d = result["data"]
+        click.echo(f"train: {d['train']['conversations']} conversations, {d['train']['anchors']:,} anchors; held out: "
+                   f"{d['heldout']['conversations']} conversations, {d['heldout']['anchors']:,} anchors; "
+                   f"{d['overlap_removed']} train rows dropped (a prompt or sample id of the held-out set)")
+    if "skipped_trained_on" in result.get("drafter", {}):
+        s = result["drafter"]
+        click.echo(f"scored {s['conversations']} conversations; {s['skipped_trained_on']} skipped (trained on)")
     _table(rows)
     if "fixed_loss" in result:
         click.echo(f"train loss on fixed anchors: {result['fixed_loss'][0]:.4f} -> {result['fixed_loss'][1]:.4f}; "

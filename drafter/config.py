@@ -11,38 +11,52 @@ from capture.errors import CaptureError
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Everything :func:`drafter.train.train` needs. Defaults train a ~2.3M-parameter drafter on a 2-core
-    CPU in about two minutes at SmolLM2 scale.
+    """Everything :func:`drafter.train.train` needs (block conventions: :mod:`drafter.blocks`).
 
-    Units: ``steps`` optimizer steps of ``anchors_per_step`` blocks each; ``lr`` per step (AdamW, linear
-    warm-up over ``warmup_steps`` then cosine to 0). ``loss_decay``: block position j's loss weighs
-    ``exp(-j / loss_decay)`` (0: all equal), since a block's acceptance stops at its first miss.
-    ``head_vocab``: ``"train-labels"`` scores only token ids that occur as labels in the train split
-    (~5x cheaper than the full vocabulary on CPU; a held-out label outside it is a miss), ``"full"`` the
-    whole vocabulary. ``eval_anchors``: held-out anchors scored, an evenly spaced deterministic subsample
-    (0: all).
+    Units: ``steps`` optimizer steps of ``anchors_per_step`` blocks each, drawn as rows of
+    ``anchors_per_seq`` anchors of one conversation (uniform over the train split's valid anchors);
+    ``lr`` per step (AdamW, linear warm-up over ``warmup_steps`` then cosine to 0). ``window``: context
+    positions a block attends to (DFlash 2: 2,048). ``loss_decay``: slot j's loss weighs
+    ``exp(-(j-1) / loss_decay)`` (0: all equal; DFlash's decay, since a block's acceptance stops at its
+    first miss). ``kl_weight``: adds that times the cross-entropy against the target's stored top-K
+    distribution (renormalized over the K ids the head scores; the run must be captured with ``--topk``)
+    to the argmax cross-entropy. ``head_vocab``: ``"train-labels"`` scores only token ids that occur as
+    labels in the train split (several times cheaper than the full vocabulary on CPU; a held-out label
+    outside it is a miss), ``"full"`` the whole vocabulary; ``draft_vocab_size`` N > 0 keeps only the N
+    most frequent train labels (EAGLE-3's reduced draft vocabulary; 0: all). ``heldout_run``: score on that run (every
+    row) instead of a ``heldout_fraction`` split of ``run``; either way, train rows sharing a sample_id
+    or a prompt with a held-out row are dropped (:func:`drafter.data.disjoint`). ``eval_anchors``:
+    held-out anchors scored, an evenly spaced deterministic subsample (0: all). ``precision``: the
+    autocast dtype of the forward (weights and optimizer stay float32).
     """
 
     run: str  # capture run folder (shards + manifest.jsonl)
     out: str  # output folder: model.safetensors, config.json, metrics.jsonl
     target_dir: str | None = None  # model folder with the target's safetensors (default: provenance.json's)
+    heldout_run: str | None = None
     seed: int = 0
     block_size: int = 8
-    context: int = 8
+    window: int = 2048
     d_model: int = 256
     n_layers: int = 2
     n_heads: int = 4
-    steps: int = 200
-    anchors_per_step: int = 128
+    dropout: float = 0.0
+    lookup: int = 2
+    steps: int = 600
+    anchors_per_step: int = 512
+    anchors_per_seq: int = 64
     lr: float = 2e-3
     weight_decay: float = 0.0
-    warmup_steps: int = 20
+    warmup_steps: int = 30
     loss_decay: float = 4.0
     labels: Literal["argmax", "dataset"] = "argmax"
+    kl_weight: float = 0.0
     head_vocab: Literal["train-labels", "full"] = "train-labels"
+    draft_vocab_size: int = 0
     heldout_fraction: float = 0.1
     eval_anchors: int = 8192
-    eval_batch: int = 256
+    eval_rows: int = 8
+    precision: Literal["bfloat16", "float32"] = "bfloat16"
     log_every: int = 10
     progress: bool = True
 
@@ -85,14 +99,21 @@ def _check_type(key: str, value, hint):
 
 def validate(cfg: TrainConfig) -> None:
     """Raise CaptureError for values no drafter can train with."""
-    positive = ("block_size", "context", "d_model", "n_layers", "n_heads", "steps", "anchors_per_step",
-                "eval_batch", "log_every")
+    positive = ("window", "d_model", "n_layers", "n_heads", "steps", "anchors_per_step", "anchors_per_seq",
+                "eval_rows", "log_every")
     bad = [k for k in positive if getattr(cfg, k) < 1]
     if bad:
         raise CaptureError(f"must be at least 1: {', '.join(bad)}")
-    if cfg.d_model % cfg.n_heads:
-        raise CaptureError(f"d_model {cfg.d_model} is not divisible by n_heads {cfg.n_heads}")
+    if cfg.block_size < 2:
+        raise CaptureError(f"block_size must be at least 2 (slot 0 is the anchor token), got {cfg.block_size}")
+    if cfg.d_model % cfg.n_heads or (cfg.d_model // cfg.n_heads) % 2:
+        raise CaptureError(f"d_model {cfg.d_model} is not divisible by n_heads {cfg.n_heads} into an even "
+                           "head size (rotary embeddings rotate pairs)")
+    if not 0 <= cfg.dropout < 1:
+        raise CaptureError(f"dropout must be in [0, 1), got {cfg.dropout}")
     if not 0 < cfg.heldout_fraction < 1:
         raise CaptureError(f"heldout_fraction must be in (0, 1), got {cfg.heldout_fraction}")
-    if cfg.lr <= 0 or cfg.loss_decay < 0 or cfg.eval_anchors < 0 or cfg.warmup_steps < 0:
-        raise CaptureError("lr must be > 0; loss_decay, eval_anchors and warmup_steps must be >= 0")
+    if (cfg.lr <= 0 or cfg.loss_decay < 0 or cfg.eval_anchors < 0 or cfg.warmup_steps < 0 or cfg.kl_weight < 0
+            or cfg.draft_vocab_size < 0 or cfg.lookup < 0):
+        raise CaptureError("lr must be > 0; loss_decay, kl_weight, eval_anchors, warmup_steps, draft_vocab_size "
+                           "and lookup must be >= 0")

@@ -1,17 +1,21 @@
 """Offline score of a drafter, as the GLM-5.3-Flash DSpine drafter's model card defines it.
 
-**Acceptance length** of one block: the number of leading block positions whose draft equals the
-target's greedy token ``argmax[a+j]``, stopping at the first miss (or at the first invalid position,
-see :mod:`drafter.blocks`), i.e. *accepted drafted tokens*, 0 … B. The score is its mean over anchors,
-teacher-forced against the target's greedy output: the draft of position j is compared with what the
-target would have produced after the true prefix, not after the drafter's own earlier tokens.
+**Acceptance length** of one block: the number of leading drafted slots (``1 … B-1``, see
+:mod:`drafter.blocks`) whose draft equals the target's greedy token ``argmax[a+j-1]``, stopping at the
+first miss (or at the first invalid slot), i.e. *accepted drafted tokens*, 0 … B-1. The score is its
+mean over anchors, teacher-forced against the target's greedy output: the draft of slot j is compared
+with what the target would have produced after the true prefix, not after the drafter's own earlier
+tokens.
 
 Convention: no bonus token. The model card reports 1.313 accepted tokens per block with first-token
 accuracy 0.62 (FIELD-NOTES); with a +1 bonus token the mean would be at least 1 + 0.62 = 1.62, so its
-number counts drafted tokens only. ``accept_len_with_bonus`` (= +1, the tokens a speculative decoding
-step commits, including the target's own next token) is reported beside it.
+number counts drafted tokens only. Its drafter reads the final state too, so its "first token" cannot
+be the target's own next token (``lm_head(norm(final))`` would give it ~100% of the time): it is the
+token after the anchor, slot 1 here, DFlash's convention. ``accept_len_with_bonus`` (= +1, the tokens a
+speculative decoding step commits, including the target's own next token) is reported beside it.
 
-**First-token accuracy**: fraction of anchors whose position-0 draft equals ``argmax[a]``.
+**First-token accuracy**: fraction of anchors whose slot-1 draft equals ``argmax[a]``.
+**Position accuracy**: per slot, hits among valid slots, not conditioned on earlier hits.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ class Score:
     position_valid: list[int] = dataclasses.field(default_factory=list)
 
     def add(self, pred: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> None:
-        """Add blocks: pred, labels int64 [A, B], valid bool [A, B] (position 0 must be valid)."""
+        """Add blocks: pred, labels int64 [A, B-1] (drafted slots 1 … B-1), valid bool [A, B-1] (slot 1
+        must be valid: it is, at every anchor)."""
         self.blocks += pred.shape[0]
         self.accepted += int(acceptance_length(pred, labels, valid).sum())
         self.first_correct += int((pred[:, 0] == labels[:, 0]).sum())
@@ -51,8 +56,8 @@ class Score:
 
     def as_dict(self) -> dict:
         """``accept_len`` (mean accepted drafted tokens per block, no bonus), ``accept_len_with_bonus``,
-        ``first_token_acc``, ``position_acc`` (per block position, among valid positions; not
-        conditioned on earlier hits), ``blocks``."""
+        ``first_token_acc``, ``position_acc`` (per drafted slot, among valid slots; not conditioned on
+        earlier hits), ``blocks``."""
         b = max(self.blocks, 1)
         return {
             "accept_len": self.accepted / b,
@@ -92,3 +97,29 @@ def bigram_draft(table: torch.Tensor, tokens: torch.Tensor, block_size: int) -> 
         cur = table[cur]
         out.append(cur)
     return torch.stack(out, dim=1)
+
+
+def lookup_draft(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, n: int = 2) -> torch.Tensor:
+    """Prompt-lookup baseline (training-free n-gram copying, as in prompt lookup decoding): int64
+    [A, B-1] drafts for ``anchors`` (int64 [A], increasing) of one conversation ``input_ids`` [T].
+
+    For anchor ``a`` find the latest ``p < a`` whose ``n`` tokens ending at ``p`` equal those ending at
+    ``a``; slot ``k`` drafts ``input_ids[p + 1 + (k-1) mod (a-p)]`` (the tokens that followed the match,
+    repeated with period ``a-p`` where they run past ``a``: only tokens up to ``a`` are known). No match:
+    ``-1`` (no draft, never accepted)."""
+    ids = input_ids.tolist()
+    latest: dict[tuple, int] = {}
+    out = torch.full((len(anchors), block_size - 1), -1, dtype=torch.long)
+    want = iter(enumerate(anchors.tolist()))
+    i, a = next(want, (None, None))
+    while a is not None and a < n - 1:  # no n tokens end there
+        i, a = next(want, (None, None))
+    for t in range(n - 1, len(ids)):
+        key = tuple(ids[t - n + 1:t + 1])
+        while a is not None and a == t:
+            p = latest.get(key)
+            if p is not None:
+                out[i] = torch.tensor([ids[p + 1 + (k % (a - p))] for k in range(block_size - 1)])
+            i, a = next(want, (None, None))
+        latest[key] = t
+    return out

@@ -1,10 +1,12 @@
-"""The drafter: acceptance length, anchors and labels, bigram baseline on hand-built cases; training,
-checkpoints and the CLI on a small real SmolLM2 capture."""
+"""The drafter: acceptance length, anchors and labels, bigram baseline on hand-built cases; what a block
+may see (causality, window); held-out sets kept apart from training; training, checkpoints and the CLI
+on small real SmolLM2 captures."""
 
 import dataclasses
 import hashlib
 import json
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -13,7 +15,9 @@ from safetensors.torch import load_file
 from conftest import capture_cli, capture_inproc
 from drafter import blocks, data, metrics
 from drafter.config import TrainConfig
-from drafter.train import evaluate_checkpoint, load_checkpoint, load_data, save_checkpoint, train
+from drafter.model import Drafter, ModelConfig
+from drafter.train import (anchor_rows, block_loss, evaluate_checkpoint, load_checkpoint, load_data,
+                           save_checkpoint, train)
 from shards.reader import iter_rows
 
 
@@ -45,36 +49,145 @@ def test_heldout_is_the_sha256_rule():
     assert 0.09 < share < 0.11
 
 
-def _hand_batch():
-    # two samples: lengths 6 and 4
-    mask = torch.tensor([0, 1, 1, 1, 0, 1, 0, 1, 1, 1], dtype=torch.bool)
-    samples = []
-    for sid, ids, m in (("a", [10, 11, 12, 13, 14, 15], mask[:6]), ("b", [20, 21, 22, 23], mask[6:])):
-        T = len(ids)
-        samples.append({"sample_id": sid, "source": "s", "input_ids": torch.tensor(ids), "loss_mask": m,
-                        "argmax": torch.tensor(ids) + 100, "taps": torch.zeros(T, 2, 3, dtype=torch.bfloat16)})
-    return data.pack(samples)
+def _seq(sid, ids, mask, F=6):
+    ids = torch.tensor(ids)
+    return {"sample_id": sid, "source": "s", "input_ids": ids, "loss_mask": torch.tensor(mask, dtype=torch.bool),
+            "argmax": ids + 100, "feats": torch.arange(len(ids) * F, dtype=torch.float32).view(-1, F).bfloat16(),
+            "prompt_key": data.prompt_key(ids, torch.tensor(mask, dtype=torch.bool))}
 
 
-def test_pack_and_anchors_only_where_token_and_successor_are_supervised():
-    b = _hand_batch()
-    assert b["cu_seqlens"].tolist() == [0, 6, 10] and b["cu_seqlens"].dtype == torch.int32
-    assert b["position_ids"].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]
-    assert b["taps"].shape == (10, 2, 3) and b["sample_ids"] == ["a", "b"]
-    # row 3 (mask 1) is followed by an unsupervised token; row 5 is the last of sample a (row 6 is b's
-    # first); row 9 is the last row.
-    anchors = blocks.valid_anchors(b["loss_mask"], b["position_ids"])
-    assert anchors.tolist() == [1, 2, 7, 8]
+def test_anchors_and_block_labels_follow_dflash():
+    s = _seq("a", [10, 11, 12, 13, 14, 15], [0, 1, 1, 1, 0, 1])
+    # a needs x_a and x_{a+1} supervised: 3 is followed by an unsupervised token, 5 is the last
+    anchors = blocks.valid_anchors(s["loss_mask"])
+    assert anchors.tolist() == [1, 2]
+    labels, valid = blocks.block_targets(s, anchors, 4)  # slots 1, 2, 3
+    assert valid.tolist() == [[True, True, False], [True, False, False]]
+    # slot j of anchor a: argmax[a+j-1], the target's greedy choice for x_{a+j}
+    assert labels.tolist() == [[111, 112, 0], [112, 0, 0]]
+    ds, _ = blocks.block_targets(s, anchors, 4, labels="dataset")
+    assert ds.tolist() == [[12, 13, 0], [13, 0, 0]]
+    with pytest.raises(ValueError):
+        blocks.block_targets(s, anchors, 4, labels="greedy")
 
-    labels, valid = blocks.block_targets(b, anchors, 3)
-    assert valid.tolist() == [[True, True, False], [True, False, False], [True, True, False], [True, False, False]]
-    # block position j of anchor a: argmax[a+j] (the target's greedy choice for x_{a+j+1})
-    assert labels.tolist() == [[111, 112, 0], [112, 0, 0], [121, 122, 0], [122, 0, 0]]
-    ds, _ = blocks.block_targets(b, anchors, 3, labels="dataset")
-    assert ds.tolist() == [[12, 13, 0], [13, 0, 0], [22, 23, 0], [23, 0, 0]]
+    t = _seq("b", [20, 21, 22, 23], [0, 1, 1, 1])
+    b = blocks.make_batch([s, t], [anchors, torch.tensor([1])], 4)
+    assert b.anchors.tolist() == [[1, 2], [1, -1]]
+    assert b.feats.shape == (2, 3, 6)  # cut after the last anchor (position 2)
+    assert torch.equal(b.feats[0], s["feats"][:3]) and torch.equal(b.feats[1], t["feats"][:3])
+    assert b.ids.tolist() == [[10, 11, 12], [20, 21, 22]]
+    short = blocks.make_batch([t, s], [torch.tensor([1]), torch.tensor([4])], 4)  # t padded to 5 positions
+    assert short.ids.tolist() == [[20, 21, 22, 23, 0], [10, 11, 12, 13, 14]] and not short.feats[0, 4].any()
+    assert b.labels[1, 0].tolist() == [121, 122, 0] and not b.valid[1, 1].any()
 
-    index, keep = blocks.context_window(torch.tensor([2, 7]), b["position_ids"], 3)
-    assert index.tolist() == [[0, 1, 2], [7, 6, 7]] and keep.tolist() == [[True, True, True], [False, True, True]]
+
+def test_anchor_rows_subsample_evenly_and_split():
+    seqs = [_seq("a", list(range(10)), [0] + [1] * 9), _seq("b", list(range(6)), [0] + [1] * 5)]
+    rows = anchor_rows(seqs, 3)
+    assert [(i, r.tolist()) for i, r in rows] == [(0, [1, 2, 3]), (0, [4, 5, 6]), (0, [7, 8]), (1, [1, 2, 3]),
+                                                 (1, [4])]
+    picked = anchor_rows(seqs, 8, limit=4)  # global anchors 0, 3, 6, 9 of 12 (8 in a, 4 in b)
+    assert [(i, r.tolist()) for i, r in picked] == [(0, [1, 4, 7]), (1, [2])]
+
+
+def _tiny_model(window=2048, B=4, lookup=0):
+    torch.manual_seed(0)
+    V, H = 50, 6
+    cfg = ModelConfig(num_taps=1, hidden_size=H, vocab_size=V, d_model=16, n_layers=2, n_heads=2, block_size=B,
+                      window=window, lookup=lookup)
+    return Drafter(cfg, torch.randn(V, H), torch.randn(V, H)).eval()
+
+
+def test_a_block_sees_only_the_window_before_its_anchor_and_its_own_token():
+    T = 12
+    ids = torch.randint(0, 50, (1, T))
+    feats = torch.randn(1, T, 6).bfloat16()
+    a = 7
+
+    def out(model, feats, ids):
+        batch = blocks.Batch(feats, ids, torch.tensor([[a]]), torch.zeros(1, 1, 3, dtype=torch.long),
+                             torch.ones(1, 1, 3, dtype=torch.bool))
+        with torch.no_grad():
+            return model(batch)
+
+    model = _tiny_model()
+    base = out(model, feats, ids)
+    assert base.shape == (1, 1, 3, 16)  # [S, M, B-1, d]
+    later = feats.clone()
+    later[0, a:] = torch.randn(T - a, 6).bfloat16()  # the target's states at a and after: unknown at serving
+    assert torch.equal(out(model, later, ids), base)
+    other = ids.clone()
+    other[0, :a] = (other[0, :a] + 1) % 50  # tokens before a reach the block only through the states
+    other[0, a + 1:] = (other[0, a + 1:] + 1) % 50
+    assert torch.equal(out(model, feats, other), base)
+    before = feats.clone()
+    before[0, a - 1] += 1
+    assert not torch.allclose(out(model, before, ids), base)
+    anchor = ids.clone()
+    anchor[0, a] = (anchor[0, a] + 1) % 50
+    assert not torch.allclose(out(model, feats, anchor), base)
+
+    narrow = _tiny_model(window=3)  # sees a-3 … a-1 only
+    base = out(narrow, feats, ids)
+    far = feats.clone()
+    far[0, : a - 3] = torch.randn(a - 3, 6).bfloat16()
+    assert torch.equal(out(narrow, far, ids), base)
+    near = feats.clone()
+    near[0, a - 3] += 1
+    assert not torch.allclose(out(narrow, near, ids), base)
+
+
+def test_the_lookup_input_is_the_copy_of_known_tokens_only():
+    model = _tiny_model(lookup=2)
+    ids = [7, 1, 2, 3, 4, 5, 1, 2, 9, 9, 9]  # at a = 7 the bigram (1, 2) last ended at 2: the copy is 3 4 5
+    s = {"input_ids": torch.tensor(ids), "loss_mask": torch.ones(11, dtype=torch.bool),
+         "argmax": torch.zeros(11, dtype=torch.long), "feats": torch.randn(11, 6).bfloat16()}
+    batch = blocks.make_batch([s], [torch.tensor([3, 7])], 4, lookup=2)
+    assert batch.lookup.tolist() == [[[-1, -1, -1], [3, 4, 5]]]  # at 3, (2, 3) never occurred before
+    with torch.no_grad():
+        base = model(batch)
+        after = {**s, "input_ids": torch.tensor(ids[:8] + [0, 0, 0])}  # tokens after the anchor: unknown
+        assert torch.equal(model(blocks.make_batch([after], [torch.tensor([3, 7])], 4, lookup=2)), base)
+        moved = {**s, "input_ids": torch.tensor([7, 1, 2, 8, 4, 5, 1, 2, 9, 9, 9])}  # another copied token
+        changed = model(blocks.make_batch([moved], [torch.tensor([3, 7])], 4, lookup=2))
+    assert not torch.allclose(changed[0, 1], base[0, 1])
+    # the copy logit: a learned bonus on the copied token's score only, none where nothing matched
+    with torch.no_grad():
+        bonus = model.logits(base, batch.lookup) - model.logits(base)
+        gate = model.copy(base)[..., 0]
+    assert not bonus[0, 0].any()
+    for j, tok in enumerate([3, 4, 5]):
+        want = torch.zeros(50)
+        want[tok] = gate[0, 1, j]
+        assert torch.allclose(bonus[0, 1, j], want, atol=1e-6)
+
+
+def test_rows_of_one_batch_do_not_see_each_other():
+    model = _tiny_model()
+    s = {"input_ids": torch.randint(0, 50, (10,)), "loss_mask": torch.ones(10, dtype=torch.bool),
+         "argmax": torch.randint(0, 50, (10,)), "feats": torch.randn(10, 6).bfloat16()}
+    t = {k: v.clone() for k, v in s.items()}
+    t["feats"] = torch.randn(10, 6).bfloat16()
+    with torch.no_grad():
+        alone = model(blocks.make_batch([s], [torch.tensor([3, 5])], 4))
+        both = model(blocks.make_batch([s, t], [torch.tensor([3, 5]), torch.tensor([2, 4, 6])], 4))
+        # a pad anchor beside real ones changes nothing either
+        padded = model(blocks.make_batch([s, t], [torch.tensor([3, 5]), torch.tensor([6])], 4))
+    assert torch.allclose(both[0, :2], alone[0], atol=1e-5) and torch.allclose(padded[0, :2], alone[0], atol=1e-5)
+
+
+def test_prompt_keys_and_disjoint_sets():
+    a = _seq("sharegpt:1", [1, 2, 3, 4, 5], [0, 0, 1, 1, 1])
+    regen = _seq("sharegpt:1", [1, 2, 9, 9], [0, 0, 1, 1])  # same prompt, the target's answer
+    dup = _seq("sharegpt:77", [1, 2, 8, 8, 8], [0, 0, 1, 1, 1])  # another row, the same prompt
+    other = _seq("sharegpt:2", [1, 3, 4, 5], [0, 0, 1, 1])
+    assert a["prompt_key"] == regen["prompt_key"] == dup["prompt_key"] != other["prompt_key"]
+    assert a["prompt_key"] == hashlib.sha256(np.array([1, 2], dtype="<i4").tobytes()).hexdigest()[:16]
+    kept, removed = data.disjoint([a, dup, other], [regen])
+    assert [s["sample_id"] for s in kept] == ["sharegpt:2"] and removed == 2
+    prints = data.fingerprint([other])
+    assert data.seen(other, prints) and not data.seen(a, prints)
+    assert data.seen(_seq("elsewhere:5", [1, 3, 7], [0, 0, 1]), prints)  # same prompt tokens, other id
 
 
 def test_bigram_baseline_on_hand_built_counts():
@@ -89,15 +202,31 @@ def test_bigram_baseline_on_hand_built_counts():
     assert metrics.fit_bigram(ids, greedy, torch.tensor([2, 3]), V).tolist() == [3, 4, 3, 3, 3, 3]
 
 
-@pytest.fixture(scope="module")
-def small_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("drafter") / "run"
+def test_lookup_baseline_copies_what_followed_the_latest_match():
+    ids = torch.tensor([5, 1, 2, 3, 4, 1, 2, 9, 1, 2])
+    drafts = metrics.lookup_draft(ids, torch.tensor([2, 6, 9]), 5, n=2)
+    # 2: (1, 2) never seen before; 6: (1, 2) last ended at 2, so 3 4 1 2 follow; 9: it last ended at 6,
+    # and only 9 1 2 are known after it: the copy repeats with period 3
+    assert drafts.tolist() == [[-1, -1, -1, -1], [3, 4, 1, 2], [9, 1, 2, 9]]
+    assert metrics.lookup_draft(ids, torch.tensor([6]), 3, n=1).tolist() == [[3, 4]]  # token 2 last at 2
+    every = metrics.lookup_draft(ids, torch.arange(10), 5, n=2)  # position 0 ends no bigram
+    assert every[0].tolist() == [-1] * 4 and every[6].tolist() == [3, 4, 1, 2] and every[9].tolist() == [9, 1, 2, 9]
+
+
+def _capture(out, *extra):
     # --ray-address local: always a fresh local Ray instance (a stale /tmp/ray/ray_current_cluster left by
     # another process on a shared machine otherwise makes ray.init() try to join a dead cluster)
-    capture_cli("run", "--ray-address", "local", "--target", "smollm2-135m", "--dataset", "sharegpt",
-                "--layers", "3,15,27", "--limit", "24", "--max-tokens", "256", "--overlength", "truncate", "--no-progress",
-                "--out", str(out), check=True)
+    capture_cli("run", "--ray-address", "local", "--target", "smollm2-135m", "--layers", "3,15,27",
+                "--max-tokens", "256", "--overlength", "truncate", "--no-progress", "--out", str(out), *extra,
+                check=True)
     return out
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    # --topk 8: the KL option trains on the stored top-K; everything else ignores it
+    return _capture(tmp_path_factory.mktemp("drafter") / "run", "--dataset", "sharegpt", "--limit", "24",
+                    "--topk", "8")
 
 
 def test_adapter_matches_the_reader(small_run):
@@ -106,27 +235,40 @@ def test_adapter_matches_the_reader(small_run):
     assert [s["sample_id"] for s in samples] == [r["sample_id"] for r in rows]
     for row, s in zip(rows[:3], samples):
         T = len(row["input_ids"])
-        assert s["taps"].shape == (T, 3, 576) and s["taps"].dtype == torch.bfloat16
+        assert s["feats"].shape == (T, 3 * 576) and s["feats"].dtype == torch.bfloat16
         for i, k in enumerate((3, 15, 27)):
-            assert torch.equal(s["taps"][:, i], row[f"tap_{k}"])
+            x = row[f"tap_{k}"].float()
+            want = (x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()).bfloat16()
+            assert torch.allclose(s["feats"][:, i * 576:(i + 1) * 576].float(), want.float(), rtol=1e-2, atol=1e-2)
         assert s["input_ids"].dtype == torch.long and s["loss_mask"].dtype == torch.bool
         assert s["argmax"].tolist() == row["argmax"].tolist()
+        first = int(np.flatnonzero(row["loss_mask"])[0])
+        assert s["prompt_key"] == hashlib.sha256(row["input_ids"][:first].astype("<i4").tobytes()).hexdigest()[:16]
     held = [s["sample_id"] for s in data.load_samples(small_run, "heldout", 0.25)]
     train_ids = [s["sample_id"] for s in data.load_samples(small_run, "train", 0.25)]
     assert sorted(held + train_ids) == sorted(r["sample_id"] for r in rows) and held and train_ids
     assert all(data.heldout(sid, 0.25) for sid in held)
 
 
+def _cfg(run, out, **kw):
+    base = dict(run=str(run), out=str(out), steps=40, anchors_per_step=64, anchors_per_seq=16, lr=2e-3,
+                warmup_steps=5, heldout_fraction=0.25, eval_anchors=512, d_model=64, progress=False)
+    return TrainConfig(**{**base, **kw})
+
+
 def test_training_lowers_loss_and_checkpoint_round_trips(small_run, tmp_path):
     d = load_data(str(small_run), 0.25)
-    cfg = TrainConfig(run=str(small_run), out=str(tmp_path / "a"), steps=40, anchors_per_step=64, lr=2e-3,
-                      warmup_steps=5, heldout_fraction=0.25, eval_anchors=512, progress=False)
+    cfg = _cfg(small_run, tmp_path / "a")
     result = train(cfg, d)
     before, after = result["fixed_loss"]
     assert after < before - 0.5, result["fixed_loss"]
-    assert result["drafter"]["blocks"] == result["bigram"]["blocks"] == result["untrained"]["blocks"] > 100
+    assert result["drafter"]["blocks"] == result["bigram"]["blocks"] == result["lookup"]["blocks"] \
+        == result["untrained"]["blocks"] > 100
+    assert len(result["drafter"]["position_acc"]) == cfg.block_size - 1
+    assert result["data"]["train"]["conversations"] + result["data"]["heldout"]["conversations"] \
+        + result["data"]["overlap_removed"] == len(list(iter_rows(small_run)))
     lines = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-    assert [e["model"] for e in lines if e["kind"] == "eval"] == ["untrained", "bigram", "drafter"]
+    assert [e["model"] for e in lines if e["kind"] == "eval"] == ["untrained", "bigram", "lookup", "drafter"]
     assert [e["step"] for e in lines if e["kind"] == "train"] == [10, 20, 30, 40]
 
     # Reloaded: bit-exact tensors, saved again bit-exact, the same held-out metrics.
@@ -138,28 +280,87 @@ def test_training_lowers_loss_and_checkpoint_round_trips(small_run, tmp_path):
     save_checkpoint(model, cfg, d, tmp_path / "b")
     assert (tmp_path / "b" / "model.safetensors").read_bytes() == (tmp_path / "a" / "model.safetensors").read_bytes()
     again = evaluate_checkpoint(tmp_path / "a", str(small_run))
-    assert again == {"split": "heldout", **result["drafter"]}
+    assert again["skipped_trained_on"] == 0 and again["conversations"] == len(d.heldout)
+    assert {k: again[k] for k in result["drafter"]} == result["drafter"]
     assert meta["taps"] == ["tap_3", "tap_15", "tap_27"] and meta["train"]["seed"] == 0
+    # scoring on rows it was trained on is refused: each one is skipped
+    everything = evaluate_checkpoint(tmp_path / "a", str(small_run), split="all")
+    assert everything["skipped_trained_on"] == len(d.train) and everything["conversations"] == len(d.heldout)
 
     # The same seed gives the same untrained drafter and the same run.
     same = train(dataclasses.replace(cfg, out=str(tmp_path / "c")), d)
     assert same["drafter"] == result["drafter"] and same["untrained"] == result["untrained"]
 
 
-def test_cli_train_eval_and_user_errors(small_run, tmp_path):
+@pytest.fixture(scope="module")
+def held_run(tmp_path_factory):
+    """Rows 0-3 with regenerated answers (no top-K): the same prompts as 4 rows of small_run."""
+    return _capture(tmp_path_factory.mktemp("drafter") / "held", "--dataset", "sharegpt", "--limit", "4",
+                    "--responses", "regenerate", "--max-new-tokens", "8")
+
+
+def test_heldout_run_drops_shared_prompts_from_training(small_run, held_run, tmp_path):
+    held = held_run
+    d = load_data(str(small_run), 0.25, heldout_run=str(held))
+    ours = {s["sample_id"] for s in d.heldout}
+    assert len(d.heldout) == len(list(iter_rows(held))) and d.overlap >= len(ours)
+    assert not ours & {s["sample_id"] for s in d.train}
+    assert not {s["prompt_key"] for s in d.heldout} & {s["prompt_key"] for s in d.train}
+    result = train(_cfg(small_run, tmp_path / "d", heldout_run=str(held), steps=5), d)
+    assert result["data"]["heldout"]["conversations"] == len(d.heldout)
+    score = evaluate_checkpoint(tmp_path / "d", str(held), split="all")
+    assert score["skipped_trained_on"] == 0 and score["accept_len"] == result["drafter"]["accept_len"]
+
+
+def test_loss_weights_and_kl_term_on_a_hand_built_batch():
+    model = _tiny_model(B=3)
+    s = {"input_ids": torch.randint(0, 50, (8,)), "loss_mask": torch.ones(8, dtype=torch.bool),
+         "argmax": torch.randint(0, 50, (8,)), "feats": torch.randn(8, 6).bfloat16(),
+         "topk_ids": torch.randint(0, 50, (8, 4)), "topk_logprobs": torch.log_softmax(torch.randn(8, 4), -1)}
+    batch = blocks.make_batch([s], [torch.tensor([2, 4])], 3, topk=True)
+    with torch.no_grad():
+        logp = torch.log_softmax(model.logits(model(batch)), -1)  # [1, 2, 2, V]
+        ce = -logp.gather(-1, batch.labels[..., None])[..., 0]
+        w = torch.tensor([1.0, float(np.exp(-1 / 2))])
+        assert torch.allclose(block_loss(model, batch, 2.0), (ce * w).sum() / (2 * w.sum()), atol=1e-5)
+        teacher = torch.softmax(batch.topk_logprobs, -1)
+        soft = -(teacher * logp.gather(-1, batch.topk_ids)).sum(-1)
+        want = ((ce + 0.5 * soft) * w).sum() / (2 * w.sum())
+        assert torch.allclose(block_loss(model, batch, 2.0, kl_weight=0.5), want, atol=1e-5)
+
+
+def test_kl_option_lowers_its_loss_and_round_trips(small_run, tmp_path):
+    d = load_data(str(small_run), 0.25, topk=True)
+    assert d.train[0]["topk_ids"].shape == (len(d.train[0]["input_ids"]), 8)
+    assert torch.equal(d.train[0]["topk_ids"][:, 0], d.train[0]["argmax"])  # the stored top-1 is the argmax
+    cfg = _cfg(small_run, tmp_path / "kl", kl_weight=1.0)
+    result = train(cfg, d)
+    before, after = result["fixed_loss"]
+    assert after < before - 0.5, result["fixed_loss"]
+    again = evaluate_checkpoint(tmp_path / "kl", str(small_run))
+    assert {k: again[k] for k in result["drafter"]} == result["drafter"]
+    assert json.loads((tmp_path / "kl" / "config.json").read_text())["train"]["kl_weight"] == 1.0
+    # the KL term changes the training: another drafter than the cross-entropy one of the same seed
+    ce = train(dataclasses.replace(cfg, out=str(tmp_path / "ce"), kl_weight=0.0), d)
+    assert ce["fixed_loss"][0] < before  # the same fixed anchors, without the KL term
+
+
+def test_cli_train_eval_and_user_errors(small_run, held_run, tmp_path):
     conf = tmp_path / "drafter.yaml"
-    conf.write_text(yaml.safe_dump({"run": str(small_run), "steps": 3, "anchors_per_step": 16,
-                                    "heldout_fraction": 0.25, "eval_anchors": 64}))
+    conf.write_text(yaml.safe_dump({"run": str(small_run), "steps": 3, "anchors_per_step": 16, "anchors_per_seq": 8,
+                                    "heldout_fraction": 0.25, "eval_anchors": 64, "d_model": 32}))
     res = capture_inproc("drafter", "train", "--config", str(conf), "--out", str(tmp_path / "d"), "--lr", "0.002",
                          "--no-progress", "--json")
     assert res.exit_code == 0, res.stderr
     out = json.loads(res.stdout)
-    assert set(out) >= {"untrained", "bigram", "drafter", "fixed_loss"}
+    assert set(out) >= {"untrained", "bigram", "drafter", "fixed_loss", "data"}
     meta = json.loads((tmp_path / "d" / "config.json").read_text())
     assert meta["train"]["lr"] == 0.002 and meta["train"]["steps"] == 3  # flag over YAML
     res = capture_inproc("drafter", "eval", str(tmp_path / "d"), "--run", str(small_run), "--json")
     assert res.exit_code == 0, res.stderr
     assert json.loads(res.stdout)["accept_len"] == out["drafter"]["accept_len"]
+    bad = capture_inproc("drafter", "eval", str(tmp_path / "d"), "--run", str(small_run), "--split", "train")
+    assert bad.exit_code == 2 and "the drafter was trained on them" in bad.stderr
 
     conf.write_text(yaml.safe_dump({"run": str(small_run), "stepz": 3}))
     bad = capture_inproc("drafter", "train", "--config", str(conf), "--out", str(tmp_path / "e"))
@@ -169,3 +370,7 @@ def test_cli_train_eval_and_user_errors(small_run, tmp_path):
     conf.write_text(yaml.safe_dump({"run": str(small_run), "steps": "many"}))
     bad = capture_inproc("drafter", "train", "--config", str(conf), "--out", str(tmp_path / "e"))
     assert bad.exit_code == 2 and "steps: expected int" in bad.stderr
+    bad = capture_inproc("drafter", "train", "--run", str(held_run), "--out", str(tmp_path / "e"), "--kl-weight", "1")
+    assert bad.exit_code == 2 and "stores no top-K logits" in bad.stderr
+    bad = capture_inproc("drafter", "train", "--run", str(small_run), "--out", str(tmp_path / "e"), "--block-size", "1")
+    assert bad.exit_code == 2 and "block_size must be at least 2" in bad.stderr
