@@ -219,7 +219,8 @@ def run(config_file, as_json, no_progress, **flags) -> None:
 def _print_summary(s: dict) -> None:
     if s["estimated_tokens"] is not None:
         click.echo(f"plan for {s['out']}: {s['kept']} records, {s['estimated_tokens']:,} tokens, "
-                   f"~{s['estimated_bytes'] / 2**20:,.1f} MiB; {s['free_bytes'] / 2**30:,.1f} GiB free there")
+                   f"~{s['estimated_bytes'] / 2**20:,.1f} MiB"
+                   + (f"; {s['free_bytes'] / 2**30:,.1f} GiB free there" if s["free_bytes"] is not None else ""))
         click.echo("estimated size by codec: " + ", ".join(
             f"{c} {b / 2**20:,.1f} MiB" for c, b in s["estimated_bytes_by_codec"].items()))
     else:

@@ -221,9 +221,13 @@ def plan(cfg: RunConfig) -> Summary:
     (regenerate mode: the prompt tokens plus the whole generation budget, an upper bound)."""
     prep = prepare(cfg)
     loc = resolve(cfg.out)
+    if loc.kind() == pafs.FileType.File:
+        raise CaptureError(f"--out {cfg.out} exists and is not a folder")
     m = manifest_mod.read(loc)
-    if m.header is not None and (diff := m.header.identity_diff(prep.header)):
-        raise CaptureError(f"{cfg.out} holds a run with a different {', '.join(diff)}; use another --out")
+    if m.header is None and [e for e in loc.entries() if e != LOCK]:
+        raise CaptureError(f"{cfg.out} is not empty and holds no capture run ({loc.manifest_name}); "
+                           "give a new or empty folder")
+    manifest_mod.check_identity(cfg.out, m, prep.header)  # the message the real run gives (old → new values)
     manifest_mod.check_dataset(m, dataclasses.asdict(prep.dataset))
     summary = Summary(out=cfg.out)
     seen = m.token_hashes() if cfg.filters.dedup else set()

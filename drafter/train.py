@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from capture.errors import CaptureError
 from shards.format import RunHeader
-from shards.run import as_location
+from shards.run import MANIFEST, MANIFEST_DIR, as_location
 from drafter import blocks, data, metrics
 from drafter.config import TrainConfig
 from drafter.model import Drafter, ModelConfig, load_target_head
@@ -267,13 +267,18 @@ def train(cfg: TrainConfig, d: Data | None = None) -> dict:
     ``{"data", "untrained", "bigram", "drafter"}`` (held-out scores), ``fixed_loss`` before/after and
     ``seconds`` (training loop only). Rows are drawn with a generator seeded by ``cfg.seed``, so a run
     is reproducible on one machine. Raises CaptureError when ``out`` already holds a drafter."""
-    d = d or load_data(cfg.run, cfg.heldout_fraction, cfg.target_dir, cfg.heldout_run, topk=cfg.kl_weight > 0)
-    if cfg.kl_weight and "topk_ids" not in d.train[0]:
-        raise CaptureError(f"{cfg.run} stores no top-K logits (capture it with --topk K) but kl_weight > 0")
     out = Path(cfg.out)
     if (out / CHECKPOINT).exists():
         raise CaptureError(f"{out} already holds a trained drafter; train into another --out")
-    out.mkdir(parents=True, exist_ok=True)
+    if (out / MANIFEST).exists() or (out / MANIFEST_DIR).exists():
+        raise CaptureError(f"{out} holds a capture run; train into another --out")
+    d = d or load_data(cfg.run, cfg.heldout_fraction, cfg.target_dir, cfg.heldout_run, topk=cfg.kl_weight > 0)
+    if cfg.kl_weight and "topk_ids" not in d.train[0]:
+        raise CaptureError(f"{cfg.run} stores no top-K logits (capture it with --topk K) but kl_weight > 0")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CaptureError(f"cannot create --out {out}: {e.strerror or e}") from None
     with open(out / METRICS, "w") as log:
 
         def emit(entry: dict) -> None:

@@ -112,7 +112,10 @@ def export(run: str | os.PathLike | Location, out: str | os.PathLike, fmt: str, 
         raise CaptureError(f"{out} exists and is not empty; export into a new folder")
     if loc.contains(out):
         raise CaptureError(f"{out} is inside the run folder {run}; export into a folder outside it")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CaptureError(f"cannot create {out}: {e.strerror}") from None
 
     aux_slots = [wanted.index(k) for k in aux]
     final_slot = None if final_tap is None else wanted.index(final_tap)

@@ -210,5 +210,8 @@ def hf_dataset(run: str | os.PathLike | Location, *, split: str = "all", heldout
         tables.append(table.filter(pa.array(keep, pa.bool_())))
     if not tables:
         raise CaptureError(f"{run} has no committed shard yet")
-    ds = datasets.Dataset(InMemoryTable(pa.concat_tables(tables).replace_schema_metadata(None)))
+    table = pa.concat_tables(tables).replace_schema_metadata(None)
+    if table.num_rows == 0:  # every row filtered out: columns without chunks, which datasets cannot cast
+        table = table.schema.empty_table()
+    ds = datasets.Dataset(InMemoryTable(table))
     return ds.with_transform(dec, columns=list(dec.columns)) if dec is not None else ds

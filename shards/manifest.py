@@ -91,7 +91,7 @@ def parse(data: bytes, path: str = MANIFEST) -> Manifest:
     for i, line in enumerate(data[:end].splitlines()):
         try:
             entry = json.loads(line)
-        except json.JSONDecodeError:
+        except ValueError:  # json.JSONDecodeError, or UnicodeDecodeError for bytes that are no text
             raise CaptureError(f"{path}: line {i + 1} is not valid JSON; the manifest is damaged") from None
         kind = entry.get("kind") if isinstance(entry, dict) else None
         missing = [k for k in REQUIRED.get(kind, ("kind",)) if not isinstance(entry, dict) or k not in entry]

@@ -273,6 +273,8 @@ class Location:
             return self.read_bytes(MANIFEST), self.join(MANIFEST)
         except FileNotFoundError:
             pass
+        except NotADirectoryError:
+            raise CaptureError(f"{self.path} is not a folder (it, or a folder above it, is a file)") from None
         data = []
         for i, name in enumerate(n for n in self.names(MANIFEST_DIR) if ENTRY.fullmatch(n)):
             entry = self.read_bytes(f"{MANIFEST_DIR}/{name}")
@@ -290,6 +292,9 @@ class Location:
         run that holds a ``manifest.jsonl`` (copied from a local folder: it could never be appended)."""
         if self.local:
             path = Path(self.path) / MANIFEST
+            if not path.exists() and any(ENTRY.fullmatch(n) for n in self.names(MANIFEST_DIR)):
+                raise CaptureError(f"{self.path} keeps its manifest in {MANIFEST_DIR}/ (a run made on an object store); "
+                                   f"extend it as objstore+file://{Path(self.path).resolve()} or on its store")
             with open(path, "ab") as f:
                 f.truncate(committed_bytes)
             return ManifestLog(self, path=path)

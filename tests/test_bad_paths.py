@@ -1,0 +1,84 @@
+"""Findings of a fresh user's break attempts (issue 14, point 6), each a one-line error or a correct
+result now: an object-store run extended through its local path, a manifest holding bytes that are no
+text, a run path under a file, a dry run on an object store, an export / drafter folder that cannot be
+made, a drafter trained into a capture run, an empty Hugging Face split. Small random runs
+(tests/helpers.py), no model, except the dry run (the real tokenizer)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from helpers import make_rows, write_run
+
+from capture.errors import CaptureError
+from conftest import capture_cli, capture_inproc
+from shards import manifest as manifest_mod
+from shards.run import MANIFEST, MANIFEST_DIR, OBJSTORE_SCHEME, resolve
+from shards.verify import verify
+
+
+def test_an_object_store_run_is_not_extended_through_its_local_path(tmp_path):
+    write_run(resolve(f"{OBJSTORE_SCHEME}{tmp_path}/obj"), [make_rows(0, 3)])
+    local = tmp_path / "copy"
+    shutil.copytree(tmp_path / "obj", local)  # e.g. `aws s3 sync` of the run
+    before = sorted(p.name for p in (local / MANIFEST_DIR).iterdir())
+    with pytest.raises(CaptureError, match=r"keeps its manifest in manifest.d/ .* extend it as objstore\+file://"):
+        write_run(local, [make_rows(1, 2, start=3)])
+    assert not (local / MANIFEST).exists() and sorted(p.name for p in (local / MANIFEST_DIR).iterdir()) == before
+    assert manifest_mod.read(local).rows == 3  # still read through manifest.d/
+
+
+def test_a_manifest_with_bytes_that_are_no_text_is_reported_damaged(good_run):
+    run, _, _ = good_run
+    lines = (run / MANIFEST).read_bytes().splitlines(keepends=True)
+    (run / MANIFEST).write_bytes(lines[0] + b"\xff\xfe\x00\x00\n" + b"".join(lines[1:]))
+    with pytest.raises(CaptureError, match="line 2 is not valid JSON; the manifest is damaged"):
+        manifest_mod.read(run)
+    r = capture_cli("shards", "verify", str(run))  # a damage report, not a crash
+    assert r.returncode == 1 and "line 2 is not valid JSON; the manifest is damaged" in r.stdout, r.stdout
+    assert "Traceback" not in r.stderr
+
+
+def test_a_run_path_under_a_file_is_one_line(tmp_path):
+    afile = tmp_path / "notes.txt"
+    afile.write_text("x")
+    with pytest.raises(CaptureError, match="is not a folder"):
+        manifest_mod.read(afile / "run")
+    res = capture_inproc("drafter", "train", "--run", str(afile / "run"), "--out", str(tmp_path / "d"))
+    assert res.exit_code == 2 and "is not a folder (it, or a folder above it, is a file)" in res.output
+
+
+def test_export_and_drafter_folders_that_cannot_be_made_or_hold_a_run(good_run, tmp_path):
+    run, _, _ = good_run
+    afile = tmp_path / "f"
+    afile.write_text("x")
+    res = capture_inproc("export", str(run), str(afile / "out"), "--format", "speculators")
+    assert res.exit_code == 2 and res.output.strip().splitlines()[-1].startswith("error:"), res.output
+    res = capture_inproc("drafter", "train", "--run", str(run), "--out", str(run), "--target-dir", str(tmp_path))
+    assert res.exit_code == 2 and "holds a capture run; train into another --out" in res.output
+    assert verify(str(run)).ok  # nothing written into the run
+
+
+def test_dry_run_on_an_object_store_prints_its_plan(tmp_path, smol_dir, sample_jsonl):
+    r = capture_cli("run", "--target", "smollm2-135m", "--dataset", str(sample_jsonl), "--limit", "2", "--dry-run",
+                    "--out", f"{OBJSTORE_SCHEME}{tmp_path}/os", check=True)
+    assert r.stdout.startswith(f"plan for {OBJSTORE_SCHEME}{tmp_path}/os: ") and "GiB free" not in r.stdout
+
+
+def test_dry_run_refuses_what_the_run_refuses(tmp_path, smol_dir, sample_jsonl):
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    r = capture_cli("run", "--target", "smollm2-135m", "--dataset", str(sample_jsonl), "--limit", "2", "--dry-run",
+                    "--out", str(busy))
+    assert r.returncode == 2 and "is not empty and holds no capture run" in r.stderr
+    assert (busy / "notes.txt").read_text() == "mine"
+
+
+def test_hf_dataset_of_an_empty_split_has_no_rows(good_run):
+    from shards.hf import hf_dataset
+
+    run, _, rows = good_run
+    ds = hf_dataset(run, split="heldout", heldout_fraction=1e-9)
+    assert len(ds) == 0 and "input_ids" in ds.column_names
