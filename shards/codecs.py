@@ -132,7 +132,7 @@ def encode(codec: str, states: torch.Tensor, level: int = ZSTD_LEVEL) -> bytes:
     Raises ValueError for an unknown codec."""
     if codec not in REGISTRY:
         raise ValueError(f"unknown codec {codec!r}")
-    return REGISTRY[codec].encode(states, zstandard.ZstdCompressor(level=level))
+    return REGISTRY[codec].encode(states, zstandard.ZstdCompressor(level=level, write_checksum=True))
 
 
 def decode(codec: str, cell, tokens: int, hidden: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

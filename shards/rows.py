@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 import pyarrow as pa
 import torch
+import zstandard
 
 from shards import codecs
 from shards import topk as topk_mod
@@ -118,14 +119,19 @@ def state_tensor(table: pa.Table | pa.RecordBatch, column: str, row: int) -> tor
     """States of ``column`` for ``row``: a ``[T, H]`` tensor of the recorded dtype (bf16 or fp16), decoded
     by the recorded codec (:mod:`shards.codecs`) straight from the Arrow buffer (no widening to float32,
     no per-element Python). ``table`` must include ``num_tokens``. Raises FormatError without it and
-    ValueError (or zstd's error) for a cell that does not decode to ``[T, H]``."""
+    ValueError for a cell that does not decode to ``[T, H]`` and FormatError for a damaged zstd frame (its
+    checksum fails)."""
     meta = table.schema.field(column).metadata
     hidden = int(meta[b"shape"].decode().strip("[]").split(",")[1])
     if "num_tokens" not in table.column_names:
         raise FormatError(f"decoding {column} needs the num_tokens column; read it too")
     tokens = table.column("num_tokens")[row].as_py()
     cell = table.column(column)[row].as_buffer()
-    return codecs.decode(meta[b"codec"].decode(), cell, tokens, hidden, DTYPES[meta[b"dtype"].decode()])
+    try:
+        return codecs.decode(meta[b"codec"].decode(), cell, tokens, hidden, DTYPES[meta[b"dtype"].decode()])
+    except zstandard.ZstdError as e:  # a frame's checksum (written since format 1.2) or its structure
+        raise FormatError(f"{column} of row {row} does not decode ({e}): the shard is damaged; "
+                          "`capture shards verify` names the file") from None
 
 
 def topk_arrays(table: pa.Table | pa.RecordBatch, row: int, k: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:

@@ -68,7 +68,7 @@ def _unplanes(cell, tokens: int | None, k: int, column: str) -> np.ndarray:
 
 def encode_ids(ids: np.ndarray) -> bytes:
     """int32 ``[T, K]`` → one ``topk_ids`` cell."""
-    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(_planes(np.asarray(ids, dtype=np.int32).view(np.uint32)))
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True).compress(_planes(np.asarray(ids, dtype=np.int32).view(np.uint32)))
 
 
 def encode_logprobs(values: np.ndarray) -> bytes:
@@ -76,7 +76,7 @@ def encode_logprobs(values: np.ndarray) -> bytes:
     u = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
     delta = u.copy()
     delta[:, 1:] = u[:, 1:] - u[:, :-1]  # uint32 arithmetic wraps: invertible for any values
-    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(_planes(delta))
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True).compress(_planes(delta))
 
 
 def decode_ids(cell, k: int, tokens: int | None = None) -> np.ndarray:

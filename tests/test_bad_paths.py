@@ -82,3 +82,27 @@ def test_hf_dataset_of_an_empty_split_has_no_rows(good_run):
     run, _, rows = good_run
     ds = hf_dataset(run, split="heldout", heldout_fraction=1e-9)
     assert len(ds) == 0 and "input_ids" in ds.column_names
+
+
+def test_a_flipped_byte_in_a_state_cell_fails_to_decode(good_run):
+    """zstd frames carry their content checksum (XXH64): damage is an error, not silently other states.
+    (bf16-split keeps its low bytes raw, outside any frame: `capture shards verify` checks the shard's
+    SHA-256 against the manifest for those.)"""
+    import pyarrow as pa
+
+    from shards.format import STATE_TYPE, FormatError
+    from shards.reader import read_table
+    from shards.rows import state_columns, state_tensor
+
+    run, infos, _ = good_run
+    table = read_table(run / infos[0].path)  # codec bf16: the whole cell is one zstd frame
+    col = state_columns(table)[0]
+    good = state_tensor(table, col, 0)
+    cells = table.column(col).to_pylist()
+    damaged = bytearray(cells[0])
+    damaged[len(damaged) // 2] ^= 0x10
+    i = table.schema.get_field_index(col)
+    bad = table.set_column(i, table.schema.field(i), pa.array([bytes(damaged)] + cells[1:], type=STATE_TYPE))
+    with pytest.raises(FormatError, match=rf"{col} of row 0 does not decode .* the shard is damaged"):
+        state_tensor(bad, col, 0)
+    assert state_tensor(bad, col, 1).equal(state_tensor(table, col, 1)) and good.shape[0] > 0
