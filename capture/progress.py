@@ -3,7 +3,7 @@
 One tqdm bar for the whole run, in tokens through the engine. Its description names the phase
 (``preparing``: model conversion, tokenizer, dataset; ``starting Ray``; ``loading the engine on N
 replica(s), k ready``; ``capturing``), and the driver refreshes it at least every :data:`REFRESH_S`
-seconds while it waits, so the elapsed time moves during a model load and before the first unit ends.
+seconds while it waits (:data:`LOG_S` into a log file), so the elapsed time moves during a model load and before the first unit ends.
 Tokens arrive per forward batch, not per work unit: each replica puts the batch's token count on a
 :class:`Feed` (a ``ray.util.queue.Queue``: a small actor that reserves no CPU) and the driver drains it on
 every refresh. The postfix counts rows through the engine, rows committed, MiB committed and an ETA.
@@ -20,10 +20,11 @@ shards in each replica's writer thread, beside the engine; summed over replicas)
 from __future__ import annotations
 
 import dataclasses
-import time
+import sys
 from typing import IO
 
 REFRESH_S = 0.5  # the longest the display goes without a redraw while a run waits
+LOG_S = 10.0  # the same where stderr is no terminal (a log file, `ray job submit`)
 DELAY_S = 2.0  # nothing is drawn before this many seconds (the checks that refuse a run come first)
 
 
@@ -51,29 +52,33 @@ def feed():
 
 class Progress:
     """The run's bar (module docstring). ``enabled``: draw it (else every call is a cheap no-op but the
-    feed is still drained); ``file``: where to draw (default stderr). Call :meth:`tick` while waiting and
-    :meth:`close` at the end."""
+    feed is still drained); ``file``: where to draw (default stderr); ``interval``: the least seconds
+    between redraws (default :data:`REFRESH_S` on a terminal, :data:`LOG_S` otherwise: a log file gets a
+    line every 10 s, not a redraw every half second). Call :meth:`tick` while waiting and :meth:`close`
+    at the end."""
 
-    def __init__(self, enabled: bool, *, file: IO | None = None):
+    def __init__(self, enabled: bool, *, file: IO | None = None, interval: float | None = None):
         from tqdm import tqdm
 
+        if interval is None:
+            interval = REFRESH_S if (file or sys.stderr).isatty() else LOG_S
+        # miniters=0: update(0) redraws whenever `interval` has passed (tqdm's own rate limit and delay)
         self.bar = tqdm(desc="capture [starting]", unit="tok", unit_scale=True, disable=not enabled,
-                        dynamic_ncols=True, file=file, mininterval=REFRESH_S, delay=DELAY_S)
-        self._draw_from = time.monotonic() + DELAY_S
+                        dynamic_ncols=True, file=file, mininterval=interval, miniters=0, delay=DELAY_S)
         self.feed = None  # a Feed once Ray runs (see :func:`feed`)
         self.tokens = 0
         self._status = "starting"
 
+    @property
+    def description(self) -> str:
+        return f"capture [{self._status}]"
+
     def status(self, text: str) -> None:
-        """Name the phase the run is in (shown at once)."""
+        """Name the phase the run is in (shown at the next redraw)."""
         if text != self._status:
             self._status = text
-            self.bar.set_description_str(f"capture [{text}]", refresh=False)
-        self._refresh()
-
-    def _refresh(self) -> None:
-        if time.monotonic() >= self._draw_from:  # tqdm's delay covers update(), not an explicit refresh
-            self.bar.refresh()
+            self.bar.set_description_str(self.description, refresh=False)
+        self.bar.update(0)
 
     def tick(self, status: str | None = None) -> None:
         """Drain the feed (tokens per forward batch), set the phase when given, redraw."""
@@ -86,7 +91,7 @@ class Progress:
         if status is not None:
             self.status(status)
         else:
-            self._refresh()
+            self.bar.update(0)
 
     def postfix(self, **values) -> None:
         self.bar.set_postfix(**values, refresh=False)

@@ -128,13 +128,13 @@ def test_progress_moves_before_the_first_unit_completes(local_ray):
     """The display names the engine load while it runs, redraws at least every tick, and counts tokens per
     forward batch: 10 and 20 tokens are on screen before the first (30-token) unit completes."""
     screen = io.StringIO()
-    progress = Progress(True, file=screen)
+    progress = Progress(True, file=screen, interval=0.2)  # a terminal's rate (StringIO is no tty)
     progress.feed = feed()
     ticks, at_first_result = [], []
 
     def on_tick(status):
         progress.tick(status)
-        ticks.append((progress.tokens, progress.bar.desc))
+        ticks.append((progress.tokens, progress.description))
 
     def on_result(result):
         if not at_first_result:
@@ -154,3 +154,4 @@ def test_progress_moves_before_the_first_unit_completes(local_ray):
     assert {10, 20} <= {tok for tok, _ in ticks[:ticks_before]}  # per batch, before the unit's result
     assert "10.0tok" in shown_before and "20.0tok" in shown_before and "capture [capturing]" in shown_before
     assert progress.tokens == 30
+    assert screen.getvalue().endswith("]\n")  # closed on its own line: an error printed next starts a new one
