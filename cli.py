@@ -140,7 +140,7 @@ def targets(as_json: bool) -> None:
 @click.option("--final", type=click.Choice(["none", "post-norm", "pre-norm"]), help="Also store the final state.")
 @click.option("--argmax/--no-argmax", default=None, help="Store the target's greedy next token (default on).")
 @click.option("--topk", type=int, metavar="K", help="Store the target's K largest next-token log-probabilities per "
-              "token (topk_ids, topk_logprobs; 1..1024, hf and vllm engines).")
+              "token (topk_ids, topk_logprobs; 1..1024, 0: none; hf and vllm engines).")
 @click.option("--no-topk", is_flag=True, default=None, help="Store no top-K (the default; overrides a config file).")
 @click.option("--limit", type=int, help="Read at most N dataset rows (counted before any filter).")
 @click.option("--skip", type=int, help="Pass over the first N dataset rows (sample ids keep their row index).")

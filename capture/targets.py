@@ -144,13 +144,17 @@ class Taps:
 
 
 def parse_layers(text: str | None) -> tuple[int, ...] | None:
-    """``"5,19,33"`` → ``(5, 19, 33)``; None or empty → None. Raises CaptureError on non-integers."""
-    if text is None or str(text).strip() == "":
+    """``"5,19,33"`` → ``(5, 19, 33)``; None → None (the preset's taps). Raises CaptureError on an empty
+    text, an empty item (``"3,,15"``) or a non-integer."""
+    if text is None:
         return None
     if isinstance(text, (list, tuple)):
         items = list(text)
     else:
-        items = [p for p in str(text).split(",") if p.strip()]
+        items = str(text).split(",")
+        if not str(text).strip() or any(not p.strip() for p in items):
+            raise CaptureError(f"--layers must be comma-separated integers, got {text!r} "
+                               "(leave the flag out for the preset's taps)")
     try:
         return tuple(int(str(p).strip()) for p in items)  # str(): 3.7 and None are refused, not truncated
     except ValueError:

@@ -42,6 +42,10 @@ def test_pre_norm_without_last_tap_and_layer_parse():
     assert parse_layers("5, 19,33") == (5, 19, 33)
     with pytest.raises(CaptureError, match="comma-separated integers"):
         parse_layers("5,x")
+    for text in ("", " ", "3,,15", "3,15,"):  # were read as the preset's taps / 3,15
+        with pytest.raises(CaptureError, match="comma-separated integers"):
+            parse_layers(text)
+    assert parse_layers(None) is None and parse_layers([3, 15]) == (3, 15)
 
 
 def test_local_model_folder(smol_dir):
