@@ -266,6 +266,10 @@ def run(cfg: RunConfig) -> Summary:
             raise CaptureError(f"{cfg.out} is not empty and holds no capture run ({loc.manifest_name}); "
                                "give a new or empty folder")
         manifest_mod.check_identity(cfg.out, existing, prep.header)  # before Ray starts (checked again under the lock)
+        damaged = [e["path"] for e in existing.shards if loc.size(e["path"]) != e["bytes"]]
+        if damaged:  # a resume would skip their rows for good
+            raise CaptureError(f"{cfg.out}: {len(damaged)} committed shard(s) are missing or of another size "
+                               f"({damaged[0]}); `capture shards verify {cfg.out}` lists them: restore them first")
         busy = f"another capture is writing to {cfg.out} (it holds {LOCK}); wait for it or use another --out"
         with loc.lock(busy=busy):
             return _run_locked(cfg, prep, started, loc, progress, timings)

@@ -129,6 +129,11 @@ class Location:
     def exists(self, name: str) -> bool:
         return self.filesystem.get_file_info(self.join(name)).type == pafs.FileType.File
 
+    def size(self, name: str) -> int | None:
+        """Bytes of the file ``name``; None when there is none."""
+        info = self.filesystem.get_file_info(self.join(name))
+        return info.size if info.type == pafs.FileType.File else None
+
     def read_bytes(self, name: str) -> bytes:
         """The whole file ``name``; raises FileNotFoundError when there is none."""
         with self.filesystem.open_input_stream(self.join(name)) as f:

@@ -106,3 +106,16 @@ def test_a_flipped_byte_in_a_state_cell_fails_to_decode(good_run):
     with pytest.raises(FormatError, match=rf"{col} of row 0 does not decode .* the shard is damaged"):
         state_tensor(bad, col, 0)
     assert state_tensor(bad, col, 1).equal(state_tensor(table, col, 1)) and good.shape[0] > 0
+
+
+def test_a_resume_refuses_a_run_whose_committed_shard_is_gone(prenorm_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(prenorm_run, run)
+    victim = manifest_mod.read(run).shards[0]["path"]
+    (run / victim).unlink()
+    before = (run / MANIFEST).read_bytes()
+    res = capture_inproc("run", "--target", "smollm2-135m", "--dataset", "sharegpt", "--layers", "3,15,27", "--final",
+                         "pre-norm", "--limit", "16", "--max-tokens", "256", "--overlength", "truncate", "--out",
+                         str(run), "--no-progress")
+    assert res.exit_code == 2 and f"committed shard(s) are missing or of another size ({victim})" in res.output, res.output
+    assert (run / MANIFEST).read_bytes() == before
