@@ -281,7 +281,7 @@ def shards_stat(run_dir, as_json) -> None:
 
 @shards.command("head")
 @click.argument("run_dir", type=RUN_DIR)
-@click.option("-n", default=5, show_default=True)
+@click.option("-n", type=click.IntRange(min=1), default=5, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def shards_head(run_dir, n, as_json) -> None:
     """The first rows: ids, lengths, state norms."""

@@ -331,7 +331,8 @@ def _iter_json_array(ref: DatasetRef, stats: ReadStats) -> Iterator[Any]:
             except ijson.JSONError as e:
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 if not any(m in reason for m in ("premature EOF", "Incomplete JSON content")):  # yajl / python
-                    raise CaptureError(f"{ref.path}: invalid JSON after {count} records (near byte {f.tell()}): "
+                    # ijson reads in buffers: f.tell() is where reading stopped, up to a buffer past the error
+                    raise CaptureError(f"{ref.path}: invalid JSON after {count} records (before byte {f.tell()}): "
                                        f"{reason}") from None
                 # ijson reads in buffers, so the offset is where reading stopped (the file size at EOF)
                 stats.truncated = (

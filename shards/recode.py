@@ -18,7 +18,7 @@ from shards import codecs
 from shards import manifest as manifest_mod
 from shards.format import schema
 from shards.rows import read_row
-from shards.run import Location, as_location
+from shards.run import LOCK, Location, as_location
 from shards.writer import ShardWriter
 
 log = logging.getLogger(__name__)
@@ -29,8 +29,8 @@ def recode(src: str | os.PathLike | Location, dst: str | os.PathLike | Location,
     """Recode every committed row of ``src`` into ``dst`` (each a path, a URI or a Location). Returns
     counts (rows, shards, bytes, already).
 
-    Raises CaptureError when ``src`` is no run, ``dst`` holds a run with another identity, or another
-    process writes ``dst``.
+    Raises CaptureError when ``src`` is no run, ``dst`` holds a run with another identity or other files
+    but no run, or another process writes ``dst``.
     """
     codecs.check(codec)
     source, target = as_location(src), as_location(dst)
@@ -41,6 +41,9 @@ def recode(src: str | os.PathLike | Location, dst: str | os.PathLike | Location,
     if not m.header.lossless and header.lossless:
         log.warning("%s is %s (lossy): %s stores those lossy values, it does not restore the originals",
                     src, m.header.codec, codec)
+    if target.is_folder() and manifest_mod.read(target).header is None and \
+            [e for e in target.entries() if e != LOCK]:
+        raise CaptureError(f"{dst} is not empty and holds no capture run; recode into a new or empty folder")
     with target.lock(busy=f"another process is writing to {dst}"):
         writer, existing = manifest_mod.ManifestWriter.open(target, header)
         done = existing.sample_ids()

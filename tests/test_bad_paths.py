@@ -119,3 +119,17 @@ def test_a_resume_refuses_a_run_whose_committed_shard_is_gone(prenorm_run, tmp_p
                          str(run), "--no-progress")
     assert res.exit_code == 2 and f"committed shard(s) are missing or of another size ({victim})" in res.output, res.output
     assert (run / MANIFEST).read_bytes() == before
+
+
+def test_recode_refuses_a_foreign_folder_and_head_a_negative_count(good_run, tmp_path):
+    run, _, _ = good_run
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    res = capture_inproc("shards", "recode", str(run), str(busy), "--codec", "fp8-e4m3")
+    assert res.exit_code == 2 and "is not empty and holds no capture run" in res.output, res.output
+    assert sorted(p.name for p in busy.iterdir()) == ["notes.txt"]
+    res = capture_inproc("shards", "recode", str(run), str(tmp_path / "new"), "--codec", "fp8-e4m3")
+    assert res.exit_code == 0 and verify(str(tmp_path / "new")).ok, res.output
+    res = capture_inproc("shards", "head", str(run), "-n", "-1")
+    assert res.exit_code == 2 and "-1 is not in the range x>=1" in res.output
