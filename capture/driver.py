@@ -99,7 +99,11 @@ class Prepared:
 def prepare(cfg: RunConfig) -> Prepared:
     """Resolve target, taps, dataset, model folder, tokenizer and run header (no engine loaded): every
     user error is raised here, before anything is written."""
-    if resolve_engine(cfg.engine) == "exl3":  # first: an engine that cannot run here is refused before any loading
+    name = resolve_engine(cfg.engine)
+    if cfg.topk and not engine_class(name).capabilities.topk:  # an engine that cannot give top-K, wherever it runs
+        takers = " or ".join(n for n in NAMES[1:] if engine_class(n).capabilities.topk)
+        raise CaptureError(f"--topk {cfg.topk}: the {name} engine cannot give top-K log-probabilities; use the {takers} engine")
+    if name == "exl3":  # then one that cannot run here, before any loading
         from capture.engines.exl3 import check_exl3
 
         check_exl3()
@@ -111,11 +115,7 @@ def prepare(cfg: RunConfig) -> Prepared:
     encoder = load_encoder(str(mdir), chat_template_file=template_file, system_prompt=cfg.system_prompt,
                            special_text=cfg.special_text, template_kwargs=cfg.chat_template_kwargs)
     model_cfg = json.loads((mdir / "config.json").read_text())
-    if cfg.topk:  # before engine_spec: an engine that cannot give top-K is refused for that, wherever it could run
-        name = resolve_engine(cfg.engine)
-        if not engine_class(name).capabilities.topk:
-            takers = " or ".join(n for n in NAMES[1:] if engine_class(n).capabilities.topk)
-            raise CaptureError(f"--topk {cfg.topk}: the {name} engine cannot give top-K log-probabilities; use the {takers} engine")
+    if cfg.topk:
         vocab = model_cfg.get("text_config", model_cfg).get("vocab_size") or model_cfg.get("vocab_size")
         if vocab and cfg.topk > int(vocab):
             raise CaptureError(f"--topk {cfg.topk} is more than the target's vocabulary ({vocab} tokens)")
