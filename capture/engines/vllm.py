@@ -18,14 +18,19 @@ times the input-dtype normalized value), with the weight read from the checkpoin
 ``argmax[t]`` (the target's greedy prediction of token t+1) comes from vLLM's ``prompt_logprobs=1``:
 the top-1 entry at position t+1; the last position's is the greedy sampled token.
 
-Top-K (``topk=K > 0``): ``prompt_logprobs=K`` gives positions 0..T-2 (vLLM's entry at position t+1 is the
-distribution computed at t) and ``logprobs=K`` of the one sampled token the last position; vLLM's values
-are ``log_softmax`` in float32 over the full vocabulary of the raw logits (``logprobs_mode`` default
-``raw_logprobs``), stored as they come. Each position's entries (vLLM adds the prompt's or sampled token
-to its K) are ordered by value descending, ties to the lower id, and cut to K; ``argmax`` is then
-``topk_ids[:, 0]`` (the same token as rank 1 but on exact ties, where vLLM's rank-1 pick is arbitrary).
-Which of several tokens tied at the K-th value is kept is vLLM's choice. ``max_logprobs`` (vLLM's cap,
-default 20) is raised to K.
+Top-K (``topk=K > 0``): vLLM is asked for ``K + TOPK_MARGIN`` entries, ``prompt_logprobs`` for positions
+0..T-2 (vLLM's entry at position t+1 is the distribution computed at t) and ``logprobs`` of the one
+sampled token for the last position; vLLM's values are ``log_softmax`` in float32 over the full
+vocabulary of the raw logits (``logprobs_mode`` default ``raw_logprobs``), stored as they come. Each
+position's entries (vLLM adds the prompt's or sampled token) are ordered by value descending, ties to the
+lower id, and cut to K, the same rule as the HF engine. The margin is there because vLLM's logits are
+bf16, so many tokens tie (measured on 3 Open-PerfectBlend conversations: a tie across the K-th value at
+347 of 640 positions for K=32), and vLLM's own top-K keeps an arbitrary member of a tie group: with the
+margin, the stored ids equal the first K of the canonically ordered full distribution whenever the tie
+group at the K-th value ends within the margin (tests/test_topk.py checks this against a top-400
+request of the same forward: every position). A position where it does not is counted and logged
+(the K-th id is then one of the tied ones; its value is exact either way). ``argmax`` is ``topk_ids[:,
+0]``. ``max_logprobs`` (vLLM's cap, default 20) is raised to ``K + TOPK_MARGIN``.
 
 Every request is checked: the token ids vLLM reports next to the states must equal the ids sent, and
 the state length must equal the token count (a mismatch raises RuntimeError: it would misalign states
@@ -55,6 +60,7 @@ from shards.format import tap_column
 log = logging.getLogger(__name__)
 
 _FORCED = {"enable_prefix_caching": False}
+TOPK_MARGIN = 16  # extra top-K entries asked of vLLM so that ties at the K-th value resolve to the lower id
 
 
 def aux_ids(taps: Taps, num_layers: int) -> tuple[list[int], dict[str, int]]:
@@ -105,6 +111,7 @@ class VLLMEngine:
                                 gpus_per_tp_rank=True,
                                 options=("vllm_path", "tp", "max_model_len", "gpu_memory_utilization", "vllm_args"))
     topk = 0  # K of the top-K log-probabilities kept per position (0: none)
+    _asked = 0  # logprobs asked of vLLM per position (K + TOPK_MARGIN)
 
     def __init__(self, model_dir: str, taps: Taps, *, argmax: bool = True, dtype: str = "bfloat16",
                  path: str = "auto", engine_args: dict[str, Any] | None = None, seed: int = 0, topk: int = 0):
@@ -131,11 +138,13 @@ class VLLMEngine:
             args[key] = value
         if not torch.cuda.is_available():
             args.setdefault("kv_cache_memory_bytes", 1 << 30)
+        self._asked = self.topk + TOPK_MARGIN if self.topk else 0  # logprobs asked of vLLM per position
         cap = args.get("max_logprobs", 20)  # vLLM's default cap on logprobs / prompt_logprobs
-        if self.topk and cap != -1 and cap < self.topk:
+        if self.topk and cap != -1 and cap < self._asked:
             if "max_logprobs" in args:
-                log.warning("vllm: max_logprobs=%r raised to %d (--topk)", cap, self.topk)
-            args["max_logprobs"] = self.topk
+                log.warning("vllm: max_logprobs=%r raised to %d (--topk %d + %d)", cap, self._asked, self.topk,
+                            TOPK_MARGIN)
+            args["max_logprobs"] = self._asked
         args.setdefault("seed", seed)
         if path == "extract":
             args["speculative_config"] = {
@@ -182,9 +191,9 @@ class VLLMEngine:
         # the extract connector reads the key from kv_transfer_params, the hooks from extra_args
         tag = (lambda k: {"kv_transfer_params": {"capture_key": k}}) if self.path == "extract" else \
             (lambda k: {"capture_key": k})
-        prompt_logprobs = max(self.topk, int(self.want_argmax)) or None
+        prompt_logprobs = max(self._asked, int(self.want_argmax)) or None
         params = [SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=prompt_logprobs,
-                                 logprobs=self.topk or None, detokenize=False, extra_args=tag(k)) for k in keys]
+                                 logprobs=self._asked or None, detokenize=False, extra_args=tag(k)) for k in keys]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         slabs = self._take(keys)
         return [self._captured(ids, out, slabs[k]) for ids, out, k in zip(batch, outputs, keys)]
@@ -226,26 +235,36 @@ class VLLMEngine:
             cols[col] = self._norm(s) if col == "final" and self._norm is not None else s.contiguous()
         if not self.topk:
             return Captured(cols, self._argmax(out, n) if self.want_argmax else None)
-        top_ids, values = self._topk(out, n, self.topk)
+        top_ids, values, unresolved = self._topk(out, n, self.topk, self._asked)
+        if unresolved:
+            log.warning("vllm request %s: at %d of %d positions more than %d tokens tie at the top-%d boundary; "
+                        "the %d-th id is one of them", out.request_id, unresolved, n, TOPK_MARGIN, self.topk,
+                        self.topk)
         return Captured(cols, top_ids[:, 0].copy() if self.want_argmax else None, top_ids, values)
 
     @staticmethod
-    def _topk(out, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def _topk(out, n: int, k: int, asked: int) -> tuple[np.ndarray, np.ndarray, int]:
         """int32 ids and float32 log-probabilities ``[n, k]`` of the k most likely next tokens at each
-        position: prompt logprobs at t+1 for t < n-1, the sampled token's logprobs for t = n-1; by value
-        descending, ties to the lower id. Raises RuntimeError when vLLM returned fewer than k entries."""
+        position (prompt logprobs at t+1 for t < n-1, the sampled token's logprobs for t = n-1; by value
+        descending, ties to the lower id), and the number of positions whose tie group at the k-th value
+        may reach past the ``asked`` entries vLLM returned (module docstring). Raises RuntimeError when vLLM returned
+        fewer than k entries or another number of positions than n."""
         positions = list(out.prompt_logprobs[1:]) + [out.outputs[0].logprobs[0]]
         if len(positions) != n:
             raise RuntimeError(f"vllm request {out.request_id}: logprobs for {len(positions)} positions, {n} tokens")
         ids = np.empty((n, k), dtype=np.int32)
         values = np.empty((n, k), dtype=np.float32)
+        unresolved = 0
         for t, entry in enumerate(positions):
-            best = sorted(entry.items(), key=lambda kv: (-kv[1].logprob, kv[0]))[:k]
+            best = sorted(entry.items(), key=lambda kv: (-kv[1].logprob, kv[0]))
             if len(best) < k:
                 raise RuntimeError(f"vllm request {out.request_id}: {len(best)} logprobs at position {t}, asked {k}")
-            ids[t] = [tok for tok, _ in best]
-            values[t] = [lp.logprob for _, lp in best]
-        return ids, values
+            # the lowest value of vLLM's own top-`asked` (it adds the prompt's or sampled token, whatever its rank)
+            floor = min(lp.logprob for _, lp in best if lp.rank <= asked)
+            unresolved += best[k - 1][1].logprob == floor
+            ids[t] = [tok for tok, _ in best[:k]]
+            values[t] = [lp.logprob for _, lp in best[:k]]
+        return ids, values, unresolved
 
     @staticmethod
     def _argmax(out, n: int) -> np.ndarray:
