@@ -2,7 +2,8 @@
 
 Every cell is self-contained (a row decodes without its neighbours) and every codec decodes straight
 into a bf16 (or fp16) tensor. Ratios and speeds are measured in ``bench/codecs.out`` on real SmolLM2
-states of ShareGPT; the numbers in this table come from there.
+states of ShareGPT, what each costs a drafter trained on it in ``bench/frontier.out``; the ratios in
+this table come from there.
 
 ============  ========  =====================================================================  ======
 codec         lossless  cell layout                                                            ratio
@@ -12,19 +13,31 @@ bf16-split    yes       zstd-1 frame of the high bytes (``[T, H]``), then the lo
                         (``[T, H]``; mantissa bits barely compress)
 fp8-e4m3      no        float32 scale per token (``[T]``, amax / 448), then a zstd-1 frame of  ~0.43
                         the e4m3 values ``x / scale`` (``[T, H]``)
+bf16-m3       no        bf16 rounded to 3 of its 7 mantissa bits (to nearest even), then both  ~0.45
+                        byte planes in one zstd-1 frame
+int8-b32      no        per token and block of 32 channels a bf16 scale (amax / 127) and int8  ~0.48
+                        codes, one zstd-1 frame (:func:`_block_codec`)
+int6-b32      no        the same with codes in [-31, 31]: zstd codes them in ~5.7 bits         ~0.36
+fp4-b32       no        the same with FP4 E2M1 codes (MXFP4's element type), two a byte        ~0.25
+int4-b32      no        the same with integer codes in [-7, 7], one a byte: zstd's entropy     ~0.23
+                        stage codes them below 4 bits (they cluster near 0)
 ============  ========  =====================================================================  ======
 
+Format 1.3 cells end with their CRC-32 (:func:`encode` ``crc=True``; the schema's state fields say
+``check: crc32``), so a damaged byte anywhere in a cell is an error, not other states.
+
 Why split bytes: a bf16 value's high byte (sign + 7 exponent bits) has ~2.7 bits of entropy per
-channel, its low byte (1 exponent bit + 7 mantissa bits) ~7.9; interleaved, zstd sees noise. Why one
-FP8 scale per token: hidden states carry outliers of |h| ~ 25,000 in a few channels, which a per-tensor
-scale would crush (FIELD-NOTES "Compression"). Storing the high bytes channel-major (``[H, T]``) was
-measured too: 0.1% smaller and as fast to encode, but ~25% slower to decode (the transpose), and a
-trainer decodes every epoch: token-major it is (bench/codecs.out).
+channel, its low byte (1 exponent bit + 7 mantissa bits) ~7.9; interleaved, zstd sees noise. Why
+per-token (fp8) or per-block (int/fp4) scales: hidden states carry outliers of |h| ~ 25,000 in a few
+channels, which a per-tensor scale would crush (FIELD-NOTES "Compression"). Storing the high bytes
+channel-major (``[H, T]``) was measured too: 0.1% smaller and as fast to encode, but ~25% slower to
+decode (the transpose), and a trainer decodes every epoch: token-major it is (bench/codecs.out).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import Callable
 
 import numpy as np
@@ -95,52 +108,213 @@ def _decode_fp8(cell, tokens: int, hidden: int, dtype: torch.dtype) -> torch.Ten
     return x.to(dtype)
 
 
+# ------------------------------------------------------------------ lossy: bf16 with fewer mantissa bits
+
+def _round_mantissa(bits: np.ndarray, keep: int) -> np.ndarray:
+    """bf16/fp16 bit patterns rounded to ``keep`` mantissa bits, to nearest, ties to even (the dropped bits
+    become 0); inf and NaN (exponent all ones) are left as they are, so a NaN stays a NaN. A value may
+    round up into the next binade (that is exact rounding: the carry moves into the exponent)."""
+    drop = 7 - keep
+    if drop <= 0:
+        return bits
+    b = bits.astype(np.uint32)
+    rounded = (b + ((1 << (drop - 1)) - 1) + ((b >> drop) & 1)) & ~np.uint32((1 << drop) - 1)
+    special = (b & 0x7F80) == 0x7F80
+    return np.where(special, b, rounded).astype(np.uint16)
+
+
+def _mantissa_codec(keep: int):
+    """bf16 with the mantissa rounded to ``keep`` of its 7 bits, stored like ``bf16-split`` but with the
+    low bytes in a zstd frame too (after rounding they take 2**(keep+1) values, which zstd's entropy
+    stage codes in ~keep+1 bits). Decodes to bf16 patterns directly (no arithmetic)."""
+
+    def encode(states: torch.Tensor, zc: zstandard.ZstdCompressor) -> bytes:
+        if states.dtype != torch.bfloat16:
+            raise ValueError(f"bf16-m{keep} stores bf16 states, not {states.dtype}")
+        pairs = _round_mantissa(_bits(states), keep).view(np.uint8).reshape(*states.shape, 2)
+        return zc.compress(np.ascontiguousarray(pairs[..., 1]).tobytes() + np.ascontiguousarray(pairs[..., 0]).tobytes())
+
+    def decode(cell, tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        n = tokens * hidden
+        planes = np.frombuffer(_decompress(cell, 2 * n), dtype=np.uint8)
+        if planes.size != 2 * n:
+            raise ValueError(f"bf16-m{keep} cell holds {planes.size} bytes, expected {2 * n}")
+        pairs = np.empty((n, 2), dtype=np.uint8)
+        pairs[:, 1], pairs[:, 0] = planes[:n], planes[n:]
+        return _from_bits(pairs.view(np.uint16).reshape(tokens, hidden), tokens, hidden, torch.bfloat16).to(dtype)
+
+    return encode, decode
+
+
+# ------------------------------------------------------------------ lossy: block-scaled integer / 4-bit codes
+
+BLOCK = 32  # values per block scale along the hidden dimension (the OCP MX formats' block size)
+# FP4 E2M1 element values (OCP Microscaling v1.0: ±0, 0.5, 1, 1.5, 2, 3, 4, 6); 15 distinct levels
+E2M1 = np.array([-6, -4, -3, -2, -1.5, -1, -0.5, 0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float32)
+
+
+def _block_codec(name: str, qmax: int = 0, levels: np.ndarray | None = None):
+    """Block-scaled codes, one scale per token and block of 32 channels (the MX formats' layout, with a
+    bf16 scale, not a power of two): ``s`` = max |h| of the block / ``qmax``, then per value a code,
+    either the integer ``round(h / s)`` in ``[-qmax, qmax]`` (one byte each: zstd's entropy stage then
+    codes it in about its entropy, so int6/int4 cost ~6/~4 bits, less where values cluster near 0) or,
+    with ``levels`` (E2M1, qmax 6), the index of the nearest level, two a byte, low nibble first.
+    Cell: one zstd frame (content checksum) of the scales ``[T, nb]`` bf16 and the codes ``[T, nb, 32]``
+    (H zero-padded to whole blocks). Decode: ``code * s`` in bf16 — codes and E2M1 levels are exact in
+    bf16 and the product of two bf16 values is rounded once, as a float32 product cast to bf16 would be.
+
+    Outliers: a block scale spans 32 channels of one token, so an outlier channel (|h| ~ 25,000 on real
+    states) coarsens only its own block, never the token or the tensor (a per-tensor scale would zero
+    almost everything). Measured alternative, not used: dividing each channel by its median or RMS |h|
+    over the cell first (worse worst-token error: near-dead channels become outliers).
+    Error bound per value (``Codec.bound``), in units of its block's max |h|: half a code step (1/(2 qmax);
+    E2M1: 1/6, half the gap between 4 and 6, over 6), plus the bf16 rounding of ``s`` (to nearest,
+    <= 2**-9 relative; codes are clamped), plus the output's rounding."""
+    four = levels is not None
+    if four:
+        qmax = int(levels.max())
+        mids = torch.from_numpy((levels[1:] + levels[:-1]) / 2)
+        # a byte's two codes (low nibble first) → their two levels as bf16 bit patterns: one take per byte
+        book = np.resize(levels, 16)
+        pairs = np.stack([book[np.arange(256) & 0xF], book[np.arange(256) >> 4]], axis=1)
+        pair_bits = torch.from_numpy(pairs).to(torch.bfloat16).view(torch.int16).numpy().view(np.int32).ravel()
+
+    def encode(states: torch.Tensor, zc: zstandard.ZstdCompressor) -> bytes:
+        yb = _blocks(states.float())  # [T, nb, BLOCK]
+        s = (yb.abs().amax(dim=2) / qmax).to(torch.bfloat16)  # [T, nb]
+        r = (yb / s.float().clamp_min(torch.finfo(torch.float32).tiny)[..., None]).clamp(-qmax, qmax)
+        if four:
+            q = torch.bucketize(r, mids).to(torch.uint8).view(-1, 2)
+            codes = (q[:, 0] | (q[:, 1] << 4)).numpy()
+        else:
+            codes = torch.round(r).to(torch.int8).numpy()
+        return zc.compress(s.view(torch.int16).numpy().tobytes() + codes.tobytes())
+
+    def decode(cell, tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        nb = -(-hidden // BLOCK)
+        n = tokens * nb * BLOCK  # codes of the zero-padded blocks
+        size = 2 * tokens * nb + (n // 2 if four else n)
+        body = np.frombuffer(_decompress(cell, size), dtype=np.uint8)
+        if body.size != size:
+            raise ValueError(f"{name} cell holds {body.size} bytes, expected {size}")
+        s = torch.from_numpy(body[: 2 * tokens * nb].view(np.int16).copy()).view(torch.bfloat16)
+        codes = body[2 * tokens * nb:]
+        if four:
+            v = torch.from_numpy(np.take(pair_bits, codes).view(np.int16)).view(torch.bfloat16)  # [n]
+        else:
+            v = torch.from_numpy(codes.view(np.int8).copy()).to(torch.bfloat16)
+        out = v.view(tokens, nb, BLOCK) * s.view(tokens, nb, 1)
+        out = out.view(tokens, nb * BLOCK)
+        return (out if nb * BLOCK == hidden else out[:, :hidden].contiguous()).to(dtype)
+
+    return encode, decode
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """``[T, H]`` → ``[T, nb, BLOCK]``, zero-padded along H to whole blocks."""
+    pad = -x.shape[1] % BLOCK
+    return (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(x.shape[0], -1, BLOCK)
+
+
+def _decompress(buf, size: int) -> bytes:
+    return zstandard.ZstdDecompressor().decompress(buf, max_output_size=size)
+
+
+# ------------------------------------------------------------------ stated error bounds (tested on real states)
+
+OUT = 2.0**-9  # the bf16 output's own rounding: half a unit in the 8th significant bit, relative
+
+
+def _bound_fp8(x: torch.Tensor) -> torch.Tensor:
+    """e4m3 keeps 3 mantissa bits: half a step is 2**-4 relative; below its normal range (2**-6 of the
+    scale) the step is the subnormal one, 2**-9 of the scale (half: 2**-10)."""
+    scale = x.abs().amax(dim=1, keepdim=True) / E4M3_MAX
+    return (2.0**-4 + OUT) * x.abs() + 2.0**-10 * scale
+
+
+def _bound_mantissa(keep: int):
+    return lambda x: (2.0 ** -(keep + 1)) * x.abs() + 2.0**-133  # relative; subnormal bf16 steps absolute
+
+
+def _bound_block(half_step: float):
+    """``half_step`` of the block scale, plus its bf16 rounding, plus the output's."""
+    def bound(x: torch.Tensor) -> torch.Tensor:
+        s = _blocks(x.abs()).amax(dim=2, keepdim=True).expand(-1, -1, BLOCK).reshape(x.shape[0], -1)[:, : x.shape[1]]
+        return (half_step + OUT) * s + OUT * x.abs()
+    return bound
+
+
 @dataclasses.dataclass(frozen=True)
 class Codec:
     """One state codec. ``encode(states [T, H] bf16/fp16, compressor) -> bytes``;
     ``decode(cell, tokens, hidden, dtype) -> [T, H]`` tensor of ``dtype`` (ValueError on a size mismatch);
     ``ratio``: stored bytes / raw bf16 bytes measured on real SmolLM2 states (bench/codecs.out), used for
-    disk estimates (``capture run --dry-run``)."""
+    disk estimates (``capture run --dry-run``). ``bound(x)``: the largest |decoded - x| the codec allows
+    for each value of ``x`` (float32 ``[T, H]``); None for a lossless codec (bit-exact)."""
 
     name: str
     lossless: bool
     ratio: float
     encode: Callable[[torch.Tensor, zstandard.ZstdCompressor], bytes]
     decode: Callable[..., torch.Tensor]
+    bound: Callable[[torch.Tensor], torch.Tensor] | None = None
+    dtypes: tuple[str, ...] = ("bfloat16", "float16")  # state dtypes it stores
 
 
 # The registry: a new codec is its two functions above and one line here.
 REGISTRY = {c.name: c for c in (
     Codec("bf16", True, 0.78, _encode_bf16, _decode_bf16),
     Codec("bf16-split", True, 0.69, _encode_split, _decode_split),
-    Codec("fp8-e4m3", False, 0.43, _encode_fp8, _decode_fp8),
+    Codec("fp8-e4m3", False, 0.43, _encode_fp8, _decode_fp8, _bound_fp8),
+    Codec("bf16-m3", False, 0.45, *_mantissa_codec(3), _bound_mantissa(3), ("bfloat16",)),
+    Codec("int8-b32", False, 0.48, *_block_codec("int8-b32", qmax=127), _bound_block(1 / 254)),
+    Codec("int6-b32", False, 0.36, *_block_codec("int6-b32", qmax=31), _bound_block(1 / 62)),
+    Codec("fp4-b32", False, 0.25, *_block_codec("fp4-b32", levels=E2M1), _bound_block(1 / 6)),
+    Codec("int4-b32", False, 0.23, *_block_codec("int4-b32", qmax=7), _bound_block(1 / 14)),
 )}
 CODECS = tuple(REGISTRY)
 LOSSLESS = {name: c.lossless for name, c in REGISTRY.items()}
 RATIO = {name: c.ratio for name, c in REGISTRY.items()}
 
 
-def check(codec: str) -> str:
-    """``codec`` if it is known; raises CaptureError otherwise."""
+class CellError(ValueError):
+    """A state cell whose bytes fail their CRC-32 (format 1.3): the shard is damaged."""
+
+
+def check(codec: str, dtype: str | None = None) -> str:
+    """``codec`` if it is known (and stores ``dtype`` states, when given); raises CaptureError otherwise."""
     if codec not in REGISTRY:
         raise CaptureError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
+    if dtype is not None and dtype not in REGISTRY[codec].dtypes:
+        raise CaptureError(f"codec {codec} stores {' or '.join(REGISTRY[codec].dtypes)} states, not {dtype}")
     return codec
 
 
-def encode(codec: str, states: torch.Tensor, level: int = ZSTD_LEVEL) -> bytes:
-    """Encode ``states`` (bf16 or fp16, ``[T, H]``) into one cell. Releases the GIL inside zstd.
-    Raises ValueError for an unknown codec."""
+def encode(codec: str, states: torch.Tensor, level: int = ZSTD_LEVEL, crc: bool = False) -> bytes:
+    """Encode ``states`` (bf16 or fp16, ``[T, H]``) into one cell. Releases the GIL inside zstd. ``crc``:
+    append the CRC-32 (``zlib.crc32``, 4 bytes little-endian) of the cell, so that a damaged byte anywhere
+    in it, also in the parts no zstd frame covers (bf16-split's low bytes, fp8's scales), fails to decode
+    (format 1.3 cells; the schema's state fields say ``check: crc32``). Raises ValueError for an unknown
+    codec."""
     if codec not in REGISTRY:
         raise ValueError(f"unknown codec {codec!r}")
-    return REGISTRY[codec].encode(states, zstandard.ZstdCompressor(level=level, write_checksum=True))
+    cell = REGISTRY[codec].encode(states, zstandard.ZstdCompressor(level=level, write_checksum=True))
+    return cell + zlib.crc32(cell).to_bytes(4, "little") if crc else cell
 
 
-def decode(codec: str, cell, tokens: int, hidden: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Decode one cell into a ``[tokens, hidden]`` tensor of ``dtype`` (fp8 decodes to it too).
+def decode(codec: str, cell, tokens: int, hidden: int, dtype: torch.dtype = torch.bfloat16,
+           crc: bool = False) -> torch.Tensor:
+    """Decode one cell into a ``[tokens, hidden]`` tensor of ``dtype`` (lossy codecs decode to it too).
 
-    ``cell`` is any buffer (bytes, memoryview, ``pyarrow.Buffer``). Raises ValueError on a size mismatch
-    or an unknown codec.
+    ``cell`` is any buffer (bytes, memoryview, ``pyarrow.Buffer``); ``crc``: the cell ends with its
+    CRC-32 (:func:`encode`). Raises CellError when that CRC fails, ``zstandard.ZstdError`` for a damaged
+    frame, ValueError on a size mismatch or an unknown codec.
     """
     if codec not in REGISTRY:
         raise ValueError(f"unknown codec {codec!r}")
+    if crc:
+        view = memoryview(cell)
+        if len(view) < 4 or zlib.crc32(view[:-4]) != int.from_bytes(view[-4:], "little"):
+            raise CellError(f"{codec} cell of {len(view)} bytes fails its CRC-32")
+        cell = view[:-4]
     return REGISTRY[codec].decode(cell, tokens, hidden, dtype)

@@ -57,7 +57,7 @@ from capture.errors import CaptureError
 from shards import codecs
 from shards import topk as topk_mod
 
-FORMAT_VERSION = "1.2"
+FORMAT_VERSION = "1.3"
 METADATA_KEY = b"capture"
 STATE_TYPE = pa.large_binary()
 TAP_PREFIX = "tap_"
@@ -115,7 +115,7 @@ class RunHeader:
     extra: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        codecs.check(self.codec)
+        codecs.check(self.codec, self.dtype)
         object.__setattr__(self, "columns", tuple(self.columns))
         if isinstance(self.topk, bool) or not isinstance(self.topk, int) or not 0 <= self.topk <= topk_mod.MAX_K:
             raise FormatError(f"run header: topk {self.topk!r} is not an integer in [0, {topk_mod.MAX_K}]")
@@ -157,6 +157,13 @@ class RunHeader:
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------ what the columns mean
+
+    @property
+    def cell_crc(self) -> bool:
+        """Whether state cells end with their CRC-32 (format 1.3 on; :func:`shards.codecs.encode`). A run
+        keeps the layout of the version that started it (a resume writes what its header says)."""
+        major, minor = (int(x) for x in self.format_version.split(".")[:2])
+        return (major, minor) >= (1, 3)
 
     @property
     def lossless(self) -> bool:
@@ -241,7 +248,7 @@ def schema(head: RunHeader) -> pa.Schema:
     ]
     for column in head.columns:
         meta = {"codec": head.codec, "dtype": head.dtype, "shape": f"[T, {head.hidden_size}]",
-                "layer": head.layer_of(column)}
+                "layer": head.layer_of(column)} | ({"check": "crc32"} if head.cell_crc else {})
         fields.append(pa.field(column, STATE_TYPE, nullable=False, metadata=meta))
     return pa.schema(fields, metadata={METADATA_KEY: head.to_json()})
 

@@ -16,7 +16,7 @@ import os
 from capture.errors import CaptureError
 from shards import codecs
 from shards import manifest as manifest_mod
-from shards.format import schema
+from shards.format import FORMAT_VERSION, schema
 from shards.rows import read_row
 from shards.run import LOCK, Location, as_location
 from shards.writer import ShardWriter
@@ -37,7 +37,7 @@ def recode(src: str | os.PathLike | Location, dst: str | os.PathLike | Location,
     m = manifest_mod.read(source)
     if m.header is None:
         raise CaptureError(f"{src}: no capture run here ({source.manifest_name} missing)")
-    header = m.header.replace(codec=codec)
+    header = m.header.replace(codec=codec, format_version=FORMAT_VERSION)  # the copy is this version's
     if not m.header.lossless and header.lossless:
         log.warning("%s is %s (lossy): %s stores those lossy values, it does not restore the originals",
                     src, m.header.codec, codec)

@@ -78,8 +78,8 @@ def record_batch(schema: pa.Schema, rows: Sequence[Row], encode: Callable | None
     """Rows → one Arrow record batch with ``schema``'s columns (:func:`shards.format.schema`). ``encode``
     maps a list of ``[T, H]`` tensors to their cells (default: the run codec, one thread). Raises
     ValueError for a row whose top-K arrays are missing or not ``[T, K]`` when the schema has them."""
-    codec = json.loads(schema.metadata[METADATA_KEY])["codec"]
-    encode = encode or (lambda tensors: [codecs.encode(codec, t) for t in tensors])
+    codec, crc = json.loads(schema.metadata[METADATA_KEY])["codec"], cell_crc(schema)
+    encode = encode or (lambda tensors: [codecs.encode(codec, t, crc=crc) for t in tensors])
     cols: dict[str, pa.Array] = {
         "sample_id": pa.array([r.sample_id for r in rows], pa.string()),
         "source": pa.array([r.source for r in rows], pa.string()),
@@ -110,6 +110,12 @@ def record_batch(schema: pa.Schema, rows: Sequence[Row], encode: Callable | None
     return pa.RecordBatch.from_arrays([cols[n] for n in schema.names], schema=schema)
 
 
+def cell_crc(schema: pa.Schema) -> bool:
+    """Whether this schema's state cells end with their CRC-32 (its state fields' ``check: crc32``, format
+    1.3 on)."""
+    return any(f.type == STATE_TYPE and (f.metadata or {}).get(b"check") == b"crc32" for f in schema)
+
+
 def state_columns(table: pa.Table | pa.RecordBatch) -> list[str]:
     """The state columns (``tap_<k>``, ``final``) a table holds, in schema order."""
     return [f.name for f in table.schema if f.type == STATE_TYPE]
@@ -118,9 +124,9 @@ def state_columns(table: pa.Table | pa.RecordBatch) -> list[str]:
 def state_tensor(table: pa.Table | pa.RecordBatch, column: str, row: int) -> torch.Tensor:
     """States of ``column`` for ``row``: a ``[T, H]`` tensor of the recorded dtype (bf16 or fp16), decoded
     by the recorded codec (:mod:`shards.codecs`) straight from the Arrow buffer (no widening to float32,
-    no per-element Python). ``table`` must include ``num_tokens``. Raises FormatError without it and
-    ValueError for a cell that does not decode to ``[T, H]`` and FormatError for a damaged zstd frame (its
-    checksum fails)."""
+    no per-element Python). ``table`` must include ``num_tokens``. Raises FormatError without it,
+    ValueError for a cell that does not decode to ``[T, H]``, and FormatError for a damaged cell (its
+    CRC-32, format 1.3 on, or a zstd frame's checksum, 1.2 on, fails)."""
     meta = table.schema.field(column).metadata
     hidden = int(meta[b"shape"].decode().strip("[]").split(",")[1])
     if "num_tokens" not in table.column_names:
@@ -128,8 +134,9 @@ def state_tensor(table: pa.Table | pa.RecordBatch, column: str, row: int) -> tor
     tokens = table.column("num_tokens")[row].as_py()
     cell = table.column(column)[row].as_buffer()
     try:
-        return codecs.decode(meta[b"codec"].decode(), cell, tokens, hidden, DTYPES[meta[b"dtype"].decode()])
-    except zstandard.ZstdError as e:  # a frame's checksum (written since format 1.2) or its structure
+        return codecs.decode(meta[b"codec"].decode(), cell, tokens, hidden, DTYPES[meta[b"dtype"].decode()],
+                             crc=meta.get(b"check") == b"crc32")
+    except (codecs.CellError, zstandard.ZstdError) as e:  # the cell's CRC-32 (1.3), a frame's checksum (1.2)
         raise FormatError(f"{column} of row {row} does not decode ({e}): the shard is damaged; "
                           "`capture shards verify` names the file") from None
 

@@ -85,9 +85,9 @@ def test_hf_dataset_of_an_empty_split_has_no_rows(good_run):
 
 
 def test_a_flipped_byte_in_a_state_cell_fails_to_decode(good_run):
-    """zstd frames carry their content checksum (XXH64): damage is an error, not silently other states.
-    (bf16-split keeps its low bytes raw, outside any frame: `capture shards verify` checks the shard's
-    SHA-256 against the manifest for those.)"""
+    """A damaged cell is an error naming column and row, not silently other states: zstd frames carry their
+    content checksum (XXH64), and since format 1.3 every cell ends with its CRC-32, which covers the bytes
+    outside any frame too (bf16-split's raw low bytes: flipped here in a bf16-split table)."""
     import pyarrow as pa
 
     from shards.format import STATE_TYPE, FormatError
@@ -106,6 +106,21 @@ def test_a_flipped_byte_in_a_state_cell_fails_to_decode(good_run):
     with pytest.raises(FormatError, match=rf"{col} of row 0 does not decode .* the shard is damaged"):
         state_tensor(bad, col, 0)
     assert state_tensor(bad, col, 1).equal(state_tensor(table, col, 1)) and good.shape[0] > 0
+
+    from helpers import make_header
+
+    from shards.format import schema
+    from shards.rows import record_batch
+
+    split = pa.Table.from_batches([record_batch(schema(make_header(codec="bf16-split")), make_rows(2, 5))])
+    col = state_columns(split)[0]
+    cells = split.column(col).to_pylist()
+    damaged = bytearray(cells[0])
+    damaged[-10] ^= 0x01  # a raw low byte: one mantissa bit of one value
+    i = split.schema.get_field_index(col)
+    bad = split.set_column(i, split.schema.field(i), pa.array([bytes(damaged)] + cells[1:], type=STATE_TYPE))
+    with pytest.raises(FormatError, match=rf"{col} of row 0 does not decode .*fails its CRC-32.* the shard is damaged"):
+        state_tensor(bad, col, 0)
 
 
 def test_a_resume_refuses_a_run_whose_committed_shard_is_gone(prenorm_run, tmp_path):

@@ -1,4 +1,6 @@
-"""Codec round trips on real SmolLM2 hidden states (lossless bit-exact; FP8 within the stated error)."""
+"""Codec round trips on real SmolLM2 hidden states: lossless codecs bit-exact, lossy ones within their
+stated bound (``Codec.bound``) at every value, outlier channels included; a damaged cell of every codec
+is an error; recode between every pair of codecs keeps rows, ids and masks."""
 
 import numpy as np
 import pyarrow as pa
@@ -59,20 +61,68 @@ def test_fp8_within_stated_error_with_per_token_scales(real_states):
     assert min(mins) >= 0.999 and np.mean(means) >= 0.9995, (min(mins), np.mean(means))
 
 
+LOSSY = [c for c in codecs.CODECS if not codecs.LOSSLESS[c]]
+
+
+@pytest.mark.parametrize("codec", LOSSY)
+def test_lossy_codecs_within_their_bound_on_real_states(codec, real_states):
+    """Every value of every real tap (|h| up to ~1,000s in SmolLM2's outlier channels) within the bound;
+    the outlier channels (median |h| over 20x the tensor's) in particular; the decoded dtype and shape."""
+    bound = codecs.REGISTRY[codec].bound
+    outliers = 0
+    for x in real_states:
+        y = codecs.decode(codec, codecs.encode(codec, x, crc=True), *x.shape, crc=True)
+        assert y.dtype == torch.bfloat16 and y.shape == x.shape
+        err, b = (y.float() - x.float()).abs(), bound(x.float())
+        assert bool((err <= b).all()), float((err - b).max())
+        med = x.float().abs().median(dim=0).values
+        big = med > 20 * med.median()
+        outliers += int(big.sum())
+        assert bool((err[:, big] <= b[:, big]).all())
+    assert outliers > 0  # the case the block scales exist for is in these states
+
+
+def test_codecs_keep_nan_and_inf_where_they_can_store_them():
+    """bf16-m3 rounds patterns, never turning a NaN into a number or a number into NaN."""
+    x = torch.tensor([[float("nan"), float("inf"), -float("inf"), 1.0, 3.0e38, -0.0]], dtype=torch.bfloat16)
+    y = codecs.decode("bf16-m3", codecs.encode("bf16-m3", x), 1, 6)
+    assert torch.isnan(y[0, 0]) and y[0, 1] == float("inf") and y[0, 2] == -float("inf") and y[0, 3] == 1.0
+    assert torch.equal(y[0, 5].view(torch.int16), x[0, 5].view(torch.int16))
+
+
 def test_ratios_on_real_states(real_states):
+    """Sizes against raw bf16 on these real states (bench/codecs.out has the full table)."""
     raw = sum(x.numel() * 2 for x in real_states)
     size = {c: sum(len(codecs.encode(c, x)) for x in real_states) / raw for c in codecs.CODECS}
     assert size["bf16-split"] < size["bf16"] < 0.85
     assert size["bf16-split"] <= 0.72
     assert size["fp8-e4m3"] <= 0.45
+    assert size["int6-b32"] < size["fp8-e4m3"] and size["int4-b32"] < size["fp4-b32"] <= 0.26
 
 
-def test_corrupt_cells_raise():
-    x = torch.randn(5, 8).to(torch.bfloat16)
-    for codec in codecs.CODECS:
-        cell = codecs.encode(codec, x)
-        with pytest.raises((ValueError, zstandard.ZstdError)):
-            codecs.decode(codec, cell[:-3], 5, 8)
+@pytest.mark.parametrize("codec", codecs.CODECS)
+def test_a_damaged_cell_of_every_codec_is_an_error(codec, real_states):
+    """A cut cell fails; with the CRC (format 1.3) a flipped bit anywhere fails too, also in bytes no zstd
+    frame covers (bf16-split's low bytes, fp8's scales)."""
+    x = real_states[0][:40]
+    cell = codecs.encode(codec, x, crc=True)
+    assert torch.equal(codecs.decode(codec, cell, *x.shape, crc=True).view(torch.int16),
+                       codecs.decode(codec, cell[:-4], *x.shape).view(torch.int16))
+    with pytest.raises((ValueError, zstandard.ZstdError)):
+        codecs.decode(codec, cell[:-7], *x.shape)
+    for at in (0, 5, len(cell) // 2, len(cell) - 10, len(cell) - 2):
+        damaged = bytearray(cell)
+        damaged[at] ^= 0x04
+        with pytest.raises(codecs.CellError, match="fails its CRC-32"):
+            codecs.decode(codec, bytes(damaged), *x.shape, crc=True)
+
+
+def test_codec_refuses_a_dtype_it_cannot_store():
+    from capture.errors import CaptureError
+
+    with pytest.raises(CaptureError, match="codec bf16-m3 stores bfloat16 states, not float16"):
+        codecs.check("bf16-m3", "float16")
+    assert codecs.check("int4-b32", "float16") == "int4-b32"
 
 
 def test_recode_round_trip(tmp_path, real_states):
@@ -121,3 +171,57 @@ def test_recode_round_trip(tmp_path, real_states):
     assert "recoded 0 rows" in again.stdout and "(2 already there)" in again.stdout
     clash = capture_inproc("shards", "recode", str(src), str(fp8), "--codec", "bf16")
     assert clash.exit_code == 2 and "different codec" in clash.stderr
+
+
+def test_recode_between_every_pair_keeps_rows_ids_and_masks(tmp_path, real_states):
+    """Each codec's copy of a 2-row run of real states, recoded into every other codec: sample ids, token
+    ids, loss masks and hashes equal the source's; the states equal the source copy's decoded states
+    bit for bit when the target is lossless, within the target's bound otherwise; verify passes."""
+    from capture.hashing import token_sha256
+    from shards import format as shard_format
+    from shards.manifest import ManifestWriter
+    from shards.reader import iter_rows
+    from shards.recode import recode
+    from shards.rows import Row
+    from shards.verify import verify
+    from shards.writer import ShardWriter
+
+    cols = ["tap_3", "tap_15", "tap_29"]
+    src = tmp_path / "src"
+    header = shard_format.header(
+        target={"name": "t"}, taps={"layers": [3, 15, 29], "final": "none"}, columns=cols, hidden_size=576,
+        dtype="bfloat16", codec="bf16-split", argmax=False, chat_template="", chat_template_sha256="",
+        tokenizer_sha256="")
+    manifest, _ = ManifestWriter.open(src, header)
+    writer = ShardWriter(src, shard_format.schema(header), 1 << 30)
+    rows = []
+    for i in range(2):
+        states = {c: x[:64] for c, x in zip(cols, real_states[3 * i: 3 * i + 3])}
+        ids = np.arange(64, dtype=np.int32) + 7 * i
+        mask = np.arange(64) % (i + 2) == 0
+        rows.append(Row(f"d:{i}", "s", i, ids, mask, None, states, token_sha256(ids)))
+    for info in writer.write(rows) + writer.close():
+        manifest.commit(info)
+    manifest.complete({"total_rows": 2})
+    copies = {c: tmp_path / c for c in codecs.CODECS}
+    for codec, path in copies.items():
+        recode(src, path, codec)
+    for a in codecs.CODECS:
+        source = list(iter_rows(copies[a]))
+        for b in codecs.CODECS:
+            if a == b:
+                continue
+            out = tmp_path / f"{a}-to-{b}"
+            assert recode(copies[a], out, b)["rows"] == 2
+            assert verify(out).ok
+            for want, got, orig in zip(source, iter_rows(out), rows):
+                assert got["sample_id"] == want["sample_id"] == orig.sample_id
+                np.testing.assert_array_equal(got["input_ids"], orig.input_ids)
+                np.testing.assert_array_equal(got["loss_mask"], orig.loss_mask)
+                assert got["token_sha256"] == orig.token_sha256
+                for c in cols:
+                    if codecs.LOSSLESS[b]:
+                        assert torch.equal(got[c].view(torch.int16), want[c].view(torch.int16))
+                    else:
+                        x = want[c].float()
+                        assert bool(((got[c].float() - x).abs() <= codecs.REGISTRY[b].bound(x)).all())

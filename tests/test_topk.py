@@ -149,7 +149,7 @@ def test_capture_topk_matches_reference(topk_run, reference):
     header, schema, verify and stat."""
     table = pa.concat_tables([read_table(p) for p in shard_paths(topk_run)])
     head = read_header(table.schema)
-    assert head.topk == K and head.format_version == "1.2" and "topk" in RUN_IDENTITY
+    assert head.topk == K and head.format_version == "1.3" and "topk" in RUN_IDENTITY
     field = table.schema.field("topk_ids")
     assert field.type == pa.binary() and field.metadata[b"shape"] == b"[T, 32]" and field.metadata[b"k"] == b"32"
     assert table.schema.field("topk_logprobs").metadata[b"dtype"] == b"float32"
