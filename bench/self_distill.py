@@ -11,7 +11,7 @@ but a fifth of its training: --steps 240 of --anchors-per-step 256 blocks, so th
 session on this CPU; on-policy held-out set as its held-out run) and scored on both held-out sets; the every-turn capture is trained once more with the top-K KL term
 (kl_weight 1).
 
-    .venv/bin/pip install matplotlib   # for the plot
+    .venv/bin/pip install -e '.[bench]'   # matplotlib for the plot
     .venv/bin/python -u bench/self_distill.py --work /tmp/self-distill > bench/self_distill.out
 
 Captures already complete under --work are reused (a rerun of `capture run` on a finished run commits
@@ -54,7 +54,9 @@ ORDER = ("every turn regenerated", "every turn + top-32 KL", "dataset answers", 
 SEEDS = (0, 1, 2)
 
 
-def capture(work: Path, name: str) -> dict:
+def capture(work: Path, name: str, args: list[str] | None = None) -> dict:
+    """`capture run` of ``args`` (default: COMMON + CAPTURES[name]) into ``work / name``, or the record of
+    the run already complete there; the run's completion record plus ``cmd`` (and ``wall_s`` or ``reused``)."""
     from filelock import FileLock
 
     from shards import manifest
@@ -64,7 +66,7 @@ def capture(work: Path, name: str) -> dict:
     if (out / LOCK).exists():  # another process (an earlier invocation) may be capturing it: wait
         with FileLock(str(out / LOCK)):
             pass
-    cmd = [sys.executable, "-m", "cli", "run", *COMMON, *CAPTURES[name], "--out", str(out)]
+    cmd = [sys.executable, "-m", "cli", "run", *(args or COMMON + CAPTURES[name]), "--out", str(out)]
     done = manifest.read(out) if out.exists() else None
     if done is not None and done.complete:  # reused as it is (no engine start)
         summary = dict(done.completions[-1])
