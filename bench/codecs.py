@@ -144,14 +144,15 @@ def lossless_stretch(states: list, raw: int) -> None:
     row("high byte XOR neighbouring tap's, zstd-1", prev_tap)
     row("byte planes, zstd-19 (both planes)", lambda i, x: sum(len(z19.compress(p)) for p in planes(x)))
     try:
-        from pcodec import standalone
+        from pcodec import ChunkConfig, standalone
     except ImportError:
         print("| pcodec | (not installed: pip install pcodec) | |")
         return
     words = lambda x: x.view(torch.int16).numpy().view(np.uint16)  # noqa: E731
-    row("pcodec, uint16 words token-major", lambda i, x: len(standalone.simple_compress(words(x).reshape(-1))))
+    config = ChunkConfig()
+    row("pcodec, uint16 words token-major", lambda i, x: len(standalone.simple_compress(words(x).reshape(-1), config)))
     row("pcodec, uint16 words channel-major",
-        lambda i, x: len(standalone.simple_compress(np.ascontiguousarray(words(x).T).reshape(-1))))
+        lambda i, x: len(standalone.simple_compress(np.ascontiguousarray(words(x).T).reshape(-1), config)))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """Disk per 1M conversations of 1,600 tokens for GLM-5.3 (hidden 6144, taps 5,19,33,47,61,75) and
 GLM-5.3-Flash (hidden 4096, taps 5,14,24,33,42), their preset taps with and without the final state, at
-each codec's ratio measured on real states (shards.codecs.RATIO, from bench/codecs.out and
-bench/frontier.out).
+each codec's ratio measured on real SmolLM2 states (shards.codecs.RATIO, see shards/codecs.py).
 
     python bench/disk_model.py
 """

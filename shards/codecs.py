@@ -1,9 +1,9 @@
 """State codecs: how one ``[T, H]`` tensor of hidden states becomes the bytes of one shard cell.
 
 Every cell is self-contained (a row decodes without its neighbours) and every codec decodes straight
-into a bf16 (or fp16) tensor. Ratios and speeds are measured in ``bench/codecs.out`` on real SmolLM2
-states of ShareGPT, what each costs a drafter trained on it in ``bench/frontier.out``; the ratios in
-this table come from there.
+into a bf16 (or fp16) tensor. Ratios and speeds are measured by ``bench/codecs.py`` on real SmolLM2
+states of ShareGPT (the lossy codecs' ratios here: 6,640 tokens of taps 1/8/15/22/29 + final during
+development), what each costs a drafter trained on it by ``bench/frontier.py``.
 
 ============  ========  =====================================================================  ======
 codec         lossless  cell layout                                                            ratio
