@@ -13,8 +13,9 @@ from shards import manifest
 from shards.reader import iter_rows, read_table
 
 IM_END = 2  # SmolLM2's <|im_end|>: its EOS and ChatML's end-of-turn token
-# Real ShareGPT rows: 1, 2 and 18 run past 16 new tokens; SmolLM2 answers 24 in 12 tokens; 41 has 6 turns,
-# and greedy SmolLM2 ends its first four answers within 32 tokens (13: two of five).
+# Real ShareGPT rows: 1, 2 and 18 run past 16 new tokens; SmolLM2 answers 24 in 12 tokens; 41 (6 turns) and 13 (5)
+# get a first answer that ends within 32 tokens. How many later answers also end within 32 tokens differs between
+# CPUs (bf16 kernels with and without AVX-512 BF16 flip near-tied greedy choices), so no test counts on it.
 NEAR_TIE = 0.5  # logits: greedy choices this close may flip between bf16 kernels of different batch shapes
 LAST_ROWS = ("sharegpt:1", "sharegpt:2", "sharegpt:18", "sharegpt:24", "sharegpt:41")
 EVERY_ROWS = ("sharegpt:13", "sharegpt:41")
@@ -131,7 +132,6 @@ def test_every_turn_is_conditioned_on_the_targets_own_answers(tmp_path, smol_dir
     assert not result.rejected and sum(s.rows for s in shards) == len(convs)
     table = read_table(tmp_path / "run" / shards[0].path)
     tok = encoder.tokenizer
-    rounds = 0
     for i, (conv, prompt) in enumerate(zip(convs, prompts)):
         j = table["sample_id"].to_pylist().index(conv.sample_id)
         ids = table["input_ids"][j].values.to_numpy()
@@ -139,7 +139,6 @@ def test_every_turn_is_conditioned_on_the_targets_own_answers(tmp_path, smol_dir
         reasons = table["finish_reasons"][j].as_py()
         answers = [ids[a:b] for a, b in spans(mask)]
         assert len(answers) == len(reasons) >= 2 and reasons[:-1] == ["stop"] * (len(reasons) - 1)
-        rounds += len(reasons)
         # Built from the segments and answers; each answer the target's greedy continuation of what precedes it.
         pos = 0
         for k, answer in enumerate(answers):
@@ -166,7 +165,6 @@ def test_every_turn_is_conditioned_on_the_targets_own_answers(tmp_path, smol_dir
             messages.append({"role": role, "content": content})
         rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert tok.decode(ids) == rendered + tok.decode(answers[-1])
-    assert rounds >= 6  # 41: four answers end within 32 tokens, the fifth runs out; 13: two, then the third
 
 
 def test_left_padded_batch_generates_what_each_prompt_generates_alone(encoder, engine, model):
@@ -313,23 +311,25 @@ def test_budget_stops_generating_what_the_length_filter_cuts(encoder, engine):
     generated = {"full": [], "budget": []}
     # batch_tokens=1: each prompt alone, so a batch's composition never changes a greedy answer
     full = regenerate(engine, prompts, sampling, [IM_END], batch_tokens=1, on_batch=generated["full"].append)
-    first_two = [int(np.flatnonzero(np.diff(r.loss_mask.astype(np.int8)) == -1)[1]) + 1 for r in full]
-    budget = max(first_two)  # both records hold their first two answers; later ones start past the budget
-    assert all(r.num_tokens > budget for r in full) and all(len(r.finish_reasons) >= 3 for r in full)
-    cut = regenerate(engine, prompts, sampling, [IM_END], batch_tokens=1, on_batch=generated["budget"].append,
-                     budget=budget)
-    assert sum(generated["budget"]) < sum(generated["full"])
-    for policy in ("truncate", "drop"):
-        cfg = FilterConfig(max_tokens=budget, overlength=policy)
-        for a, b in zip(full, cut):
+    assert all(len(r.finish_reasons) >= 2 for r in full)  # a first answer that stopped, then at least one more
+    for prompt, a in zip(prompts, full):
+        # the budget ends with the first answer: the second one would start past it
+        budget = int(np.flatnonzero(np.diff(a.loss_mask.astype(np.int8)) == -1)[0]) + 1
+        assert a.num_tokens > budget
+        b = regenerate(engine, [prompt], sampling, [IM_END], batch_tokens=1, on_batch=generated["budget"].append,
+                       budget=budget)[0]
+        assert len(b.finish_reasons) == 1
+        for policy in ("truncate", "drop"):
+            cfg = FilterConfig(max_tokens=budget, overlength=policy)
             (ra, why_a), (rb, why_b) = apply_filters(a, cfg, set()), apply_filters(b, cfg, set())
             assert why_a == why_b
             if policy == "truncate":
                 np.testing.assert_array_equal(ra.input_ids, rb.input_ids)
                 np.testing.assert_array_equal(ra.loss_mask, rb.loss_mask)
-                assert ra.finish_reasons == rb.finish_reasons == a.finish_reasons[:len(spans(ra.loss_mask))]
+                assert ra.finish_reasons == rb.finish_reasons == a.finish_reasons[:1]
             else:
                 assert why_a == "over_max_tokens"
+    assert sum(generated["budget"]) < sum(generated["full"])
     # a prompt already past the budget is not answered at all: the filter drops it either way
     short = len(prompts[0].segments[0]) - 1
     tokens = []
