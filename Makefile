@@ -34,6 +34,6 @@ demo: setup
 	$(BIN)/capture shards stat $(DEMO_OUT)
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 .PHONY: setup demo test

@@ -182,6 +182,9 @@ def targets(as_json: bool) -> None:
 @click.option("--engine", type=ENGINE,
               help="hf (transformers), vllm, exl3 (exllamav3, CUDA only, prefill only), or auto (default: vllm "
                    "when installed and a GPU is visible, else hf).")
+@click.option("--dtype", "compute_dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              help="The hf engine's arithmetic; states are stored in the target's dtype either way (default auto: "
+                   "the target's dtype where the CPU computes it natively, else float32; a resume keeps the run's).")
 @click.option("--vllm-path", type=click.Choice(["auto", "extract", "hooks"]),
               help="vLLM capture path: extract_hidden_states + KV connector, or worker-extension hooks "
                    "(auto: hooks for MLA targets).")

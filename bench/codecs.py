@@ -48,17 +48,17 @@ def main() -> None:
     print(f"{tokens:,} tokens of real SmolLM2 states (taps 3/15/27, hidden 576, bf16), {raw / 1e6:.1f} MB raw; "
           "one thread")
     print()
-    print("cells as a capture writes them (format 1.3: with their CRC-32, checked when decoding)\n")
+    print("cells as a capture writes them (format 1.4: with their XXH3-64, checked when decoding)\n")
     print("| codec | lossless | bytes vs raw bf16 | encode MB/s | decode MB/s | per-token cosine (mean / min) |")
     print("|---|---|---|---|---|---|")
     cos = torch.nn.functional.cosine_similarity
     for codec in codecs.CODECS:
         t = time.perf_counter()
-        cells = [codecs.encode(codec, x, crc=True) for x in states]
+        cells = [codecs.encode(codec, x, check="xxh3_64") for x in states]
         t_enc = time.perf_counter() - t
         bufs = [pa.py_buffer(c) for c in cells]
         t = time.perf_counter()
-        out = [codecs.decode(codec, b, *x.shape, crc=True) for b, x in zip(bufs, states)]
+        out = [codecs.decode(codec, b, *x.shape, check="xxh3_64") for b, x in zip(bufs, states)]
         t_dec = time.perf_counter() - t
         size = sum(len(c) for c in cells)
         if codecs.LOSSLESS[codec]:

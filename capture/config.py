@@ -74,6 +74,9 @@ class RunConfig:
     unit_timeout: float | None = None  # seconds a work unit may run before its replica counts as hung
     max_unit_attempts: int = 3  # failures of a unit before it is split (one record: quarantined)
     engine: str = "auto"  # hf | vllm | exl3 | auto (vllm when installed and a GPU is visible, else hf)
+    # the hf engine's arithmetic: auto (the state dtype where the CPU computes it natively, else float32),
+    # float32, bfloat16, float16; states are stored in the target's dtype either way
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     vllm_path: str = "auto"  # extract | hooks | auto (hooks for MLA targets); see capture.engines.vllm
     tp: int = 1  # vLLM tensor-parallel size (GPUs per replica)
     max_model_len: int | None = None  # vLLM context length (None: the model's)
@@ -94,6 +97,7 @@ _CHOICES = {
     "responses": ("dataset", "regenerate"),
     "regenerate_policy": ("last", "every"),
     "vllm_path": ("auto", "extract", "hooks"),
+    "compute_dtype": ("auto", "float32", "bfloat16", "float16"),
 }
 _INTS = {  # field: smallest allowed value (None allowed where the default is None)
     "limit": 0, "skip": 0, "shard_size": 1, "batch_tokens": 1, "unit_tokens": 1, "replicas": 1, "cpus_per_replica": 1,

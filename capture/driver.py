@@ -120,13 +120,15 @@ def prepare(cfg: RunConfig) -> Prepared:
         if vocab and cfg.topk > int(vocab):
             raise CaptureError(f"--topk {cfg.topk} is more than the target's vocabulary ({vocab} tokens)")
     vllm_args = vllm_engine_args(cfg.tp, cfg.max_model_len, cfg.gpu_memory_utilization, cfg.vllm_args)
-    engine = engine_spec(cfg.engine, cfg.vllm_path, vllm_args, model_cfg)
-    caps = engine.capabilities
-    given = {"vllm_path": cfg.vllm_path != "auto", "tp": cfg.tp != 1, "max_model_len": cfg.max_model_len is not None,
+    caps = engine_class(name).capabilities
+    engine = engine_spec(cfg.engine, cfg.vllm_path, vllm_args, model_cfg, cfg.compute_dtype,
+                         caps.state_dtype or target.dtype)
+    given = {"compute_dtype": cfg.compute_dtype != "auto",
+             "vllm_path": cfg.vllm_path != "auto", "tp": cfg.tp != 1, "max_model_len": cfg.max_model_len is not None,
              "gpu_memory_utilization": cfg.gpu_memory_utilization is not None, "vllm_args": bool(cfg.vllm_args)}
     foreign = [name for name, set_ in given.items() if set_ and name not in caps.options]
     if foreign:  # refused, not silently ignored
-        flag = "--vllm-arg" if foreign[0] == "vllm_args" else "--" + foreign[0].replace("_", "-")
+        flag = {"vllm_args": "--vllm-arg", "compute_dtype": "--dtype"}.get(foreign[0], "--" + foreign[0].replace("_", "-"))
         takers = [n for n in NAMES[1:] if foreign[0] in engine_class(n).capabilities.options]
         why = " (--engine auto picks vllm only when vLLM is installed and a GPU is visible)" if cfg.engine == "auto" else ""
         raise CaptureError(f"{flag} applies only to the {' and '.join(takers)} engine; this run uses {engine.name}{why}")
@@ -155,6 +157,23 @@ def prepare(cfg: RunConfig) -> Prepared:
     if limit:  # vLLM rejects prompts beyond its max_model_len (--max-model-len or --vllm-arg max_model_len=)
         context = min(context or limit, limit)
     return Prepared(target, taps, str(mdir), encoder, header, context, dataset, engine)
+
+
+def resume_arithmetic(cfg: RunConfig, prep: Prepared, existing: manifest_mod.Manifest) -> Prepared:
+    """``--dtype auto`` on a resume: the hf engine computes in the dtype the run started with (its header's
+    ``engine.compute_dtype``; absent: the state dtype), whatever this machine's ``auto`` would pick, so the
+    states of one run come from one arithmetic. A ``--dtype`` given explicitly is left as it is (and a
+    different one is refused by the identity check)."""
+    if (cfg.compute_dtype != "auto" or existing.header is None or prep.engine.name != "hf"
+            or existing.header.engine.get("name") != "hf"):
+        return prep
+    ran = existing.header.engine.get("compute_dtype")
+    if ran == prep.engine.compute_dtype:
+        return prep
+    log.info("resuming in the run's own compute dtype %s (--dtype auto would pick %s on this machine)",
+             ran or prep.header.dtype, prep.engine.compute_dtype or prep.header.dtype)
+    engine = dataclasses.replace(prep.engine, compute_dtype=ran)
+    return dataclasses.replace(prep, engine=engine, header=prep.header.replace(engine=engine.describe()))
 
 
 def _records(cfg: RunConfig, prep: Prepared, summary: Summary, done: set[str], seen: set[str]):
@@ -227,6 +246,7 @@ def plan(cfg: RunConfig) -> Summary:
     if m.header is None and [e for e in loc.entries() if e != LOCK]:
         raise CaptureError(f"{cfg.out} is not empty and holds no capture run ({loc.manifest_name}); "
                            "give a new or empty folder")
+    prep = resume_arithmetic(cfg, prep, m)
     manifest_mod.check_identity(cfg.out, m, prep.header)  # the message the real run gives (old → new values)
     manifest_mod.check_dataset(m, dataclasses.asdict(prep.dataset))
     summary = Summary(out=cfg.out)
@@ -265,6 +285,7 @@ def run(cfg: RunConfig) -> Summary:
         if existing.header is None and [e for e in loc.entries() if e != LOCK]:
             raise CaptureError(f"{cfg.out} is not empty and holds no capture run ({loc.manifest_name}); "
                                "give a new or empty folder")
+        prep = resume_arithmetic(cfg, prep, existing)
         manifest_mod.check_identity(cfg.out, existing, prep.header)  # before Ray starts (checked again under the lock)
         damaged = [e["path"] for e in existing.shards if loc.size(e["path"]) != e["bytes"]]
         if damaged:  # a resume would skip their rows for good

@@ -121,7 +121,7 @@ class Decoder:
             out["loss_mask"].append(torch.tensor(batch["loss_mask"][i], dtype=torch.bool))
             if self.header.argmax:
                 out["argmax"].append(torch.tensor(batch["argmax"][i], dtype=torch.int64))
-            states = [codecs.decode(codec, batch[c][i], tokens, hidden, dtype, crc=self.header.cell_crc)
+            states = [codecs.decode(codec, batch[c][i], tokens, hidden, dtype, check=self.header.cell_check)
                       for c in self.states]
             out["taps"].append(torch.stack(states[:n_taps], dim=1))
             if self.final:

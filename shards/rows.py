@@ -78,8 +78,8 @@ def record_batch(schema: pa.Schema, rows: Sequence[Row], encode: Callable | None
     """Rows → one Arrow record batch with ``schema``'s columns (:func:`shards.format.schema`). ``encode``
     maps a list of ``[T, H]`` tensors to their cells (default: the run codec, one thread). Raises
     ValueError for a row whose top-K arrays are missing or not ``[T, K]`` when the schema has them."""
-    codec, crc = json.loads(schema.metadata[METADATA_KEY])["codec"], cell_crc(schema)
-    encode = encode or (lambda tensors: [codecs.encode(codec, t, crc=crc) for t in tensors])
+    codec, check = json.loads(schema.metadata[METADATA_KEY])["codec"], cell_check(schema)
+    encode = encode or (lambda tensors: [codecs.encode(codec, t, check=check) for t in tensors])
     cols: dict[str, pa.Array] = {
         "sample_id": pa.array([r.sample_id for r in rows], pa.string()),
         "source": pa.array([r.source for r in rows], pa.string()),
@@ -110,10 +110,12 @@ def record_batch(schema: pa.Schema, rows: Sequence[Row], encode: Callable | None
     return pa.RecordBatch.from_arrays([cols[n] for n in schema.names], schema=schema)
 
 
-def cell_crc(schema: pa.Schema) -> bool:
-    """Whether this schema's state cells end with their CRC-32 (its state fields' ``check: crc32``, format
-    1.3 on)."""
-    return any(f.type == STATE_TYPE and (f.metadata or {}).get(b"check") == b"crc32" for f in schema)
+def cell_check(schema: pa.Schema) -> str | None:
+    """The checksum this schema's state cells end with (its state fields' ``check``: ``xxh3_64`` from
+    format 1.4, ``crc32`` in 1.3), or None."""
+    checks = {(f.metadata or {}).get(b"check") for f in schema if f.type == STATE_TYPE}
+    check = next(iter(checks - {None}), None)
+    return check.decode() if check else None
 
 
 def state_columns(table: pa.Table | pa.RecordBatch) -> list[str]:
@@ -126,7 +128,7 @@ def state_tensor(table: pa.Table | pa.RecordBatch, column: str, row: int) -> tor
     by the recorded codec (:mod:`shards.codecs`) straight from the Arrow buffer (no widening to float32,
     no per-element Python). ``table`` must include ``num_tokens``. Raises FormatError without it,
     ValueError for a cell that does not decode to ``[T, H]``, and FormatError for a damaged cell (its
-    CRC-32, format 1.3 on, or a zstd frame's checksum, 1.2 on, fails)."""
+    checksum, format 1.3 on, or a zstd frame's checksum, 1.2 on, fails)."""
     meta = table.schema.field(column).metadata
     hidden = int(meta[b"shape"].decode().strip("[]").split(",")[1])
     if "num_tokens" not in table.column_names:
@@ -135,8 +137,8 @@ def state_tensor(table: pa.Table | pa.RecordBatch, column: str, row: int) -> tor
     cell = table.column(column)[row].as_buffer()
     try:
         return codecs.decode(meta[b"codec"].decode(), cell, tokens, hidden, DTYPES[meta[b"dtype"].decode()],
-                             crc=meta.get(b"check") == b"crc32")
-    except (codecs.CellError, zstandard.ZstdError) as e:  # the cell's CRC-32 (1.3), a frame's checksum (1.2)
+                             check=meta[b"check"].decode() if b"check" in meta else None)
+    except (codecs.CellError, zstandard.ZstdError) as e:  # the cell's checksum (1.3 on), a frame's checksum (1.2)
         raise FormatError(f"{column} of row {row} does not decode ({e}): the shard is damaged; "
                           "`capture shards verify` names the file") from None
 

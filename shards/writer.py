@@ -27,7 +27,7 @@ import torch
 
 from shards import codecs
 from shards.format import METADATA_KEY
-from shards.rows import Row, cell_crc, record_batch
+from shards.rows import Row, cell_check, record_batch
 from shards.run import Location, ShardSink, as_location
 
 
@@ -59,7 +59,7 @@ class ShardWriter:
         self.schema = schema
         self.target_bytes = target_bytes
         self.codec = json.loads(schema.metadata[METADATA_KEY])["codec"]
-        self.crc = cell_crc(schema)
+        self.check = cell_check(schema)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="encode") if threads > 1 else None
         self.options = pa.ipc.IpcWriteOptions(compression=None)
         self._open: tuple[ShardSink, pa.ipc.RecordBatchStreamWriter] | None = None
@@ -83,8 +83,8 @@ class ShardWriter:
 
     def _encode(self, tensors: Sequence[torch.Tensor]) -> list[bytes]:
         if self.pool is None:
-            return [codecs.encode(self.codec, t, crc=self.crc) for t in tensors]
-        return list(self.pool.map(lambda t: codecs.encode(self.codec, t, crc=self.crc), tensors))
+            return [codecs.encode(self.codec, t, check=self.check) for t in tensors]
+        return list(self.pool.map(lambda t: codecs.encode(self.codec, t, check=self.check), tensors))
 
     def close(self) -> list[ShardInfo]:
         """Finish the open shard (if any): end the stream and make it visible under its name

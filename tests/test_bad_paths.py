@@ -86,8 +86,8 @@ def test_hf_dataset_of_an_empty_split_has_no_rows(good_run):
 
 def test_a_flipped_byte_in_a_state_cell_fails_to_decode(good_run):
     """A damaged cell is an error naming column and row, not silently other states: zstd frames carry their
-    content checksum (XXH64), and since format 1.3 every cell ends with its CRC-32, which covers the bytes
-    outside any frame too (bf16-split's raw low bytes: flipped here in a bf16-split table)."""
+    content checksum (XXH64), and since format 1.3 every cell ends with its own checksum (XXH3-64 from 1.4),
+    which covers the bytes outside any frame too (bf16-split's raw low bytes: flipped here in a bf16-split table)."""
     import pyarrow as pa
 
     from shards.format import STATE_TYPE, FormatError
@@ -116,10 +116,10 @@ def test_a_flipped_byte_in_a_state_cell_fails_to_decode(good_run):
     col = state_columns(split)[0]
     cells = split.column(col).to_pylist()
     damaged = bytearray(cells[0])
-    damaged[-10] ^= 0x01  # a raw low byte: one mantissa bit of one value
+    damaged[-12] ^= 0x01  # a raw low byte (before the 8 checksum bytes): one mantissa bit of one value
     i = split.schema.get_field_index(col)
     bad = split.set_column(i, split.schema.field(i), pa.array([bytes(damaged)] + cells[1:], type=STATE_TYPE))
-    with pytest.raises(FormatError, match=rf"{col} of row 0 does not decode .*fails its CRC-32.* the shard is damaged"):
+    with pytest.raises(FormatError, match=rf"{col} of row 0 does not decode .*fails its xxh3_64.* the shard is damaged"):
         state_tensor(bad, col, 0)
 
 

@@ -71,7 +71,7 @@ def test_lossy_codecs_within_their_bound_on_real_states(codec, real_states):
     bound = codecs.REGISTRY[codec].bound
     outliers = 0
     for x in real_states:
-        y = codecs.decode(codec, codecs.encode(codec, x, crc=True), *x.shape, crc=True)
+        y = codecs.decode(codec, codecs.encode(codec, x, check="xxh3_64"), *x.shape, check="xxh3_64")
         assert y.dtype == torch.bfloat16 and y.shape == x.shape
         err, b = (y.float() - x.float()).abs(), bound(x.float())
         assert bool((err <= b).all()), float((err - b).max())
@@ -102,19 +102,22 @@ def test_ratios_on_real_states(real_states):
 
 @pytest.mark.parametrize("codec", codecs.CODECS)
 def test_a_damaged_cell_of_every_codec_is_an_error(codec, real_states):
-    """A cut cell fails; with the CRC (format 1.3) a flipped bit anywhere fails too, also in bytes no zstd
-    frame covers (bf16-split's low bytes, fp8's scales)."""
+    """A cut cell fails; with a checksum (XXH3-64 from format 1.4, CRC-32 in 1.3) a flipped bit anywhere fails
+    too, also in bytes no zstd frame covers (bf16-split's low bytes, fp8's scales)."""
     x = real_states[0][:40]
-    cell = codecs.encode(codec, x, crc=True)
-    assert torch.equal(codecs.decode(codec, cell, *x.shape, crc=True).view(torch.int16),
-                       codecs.decode(codec, cell[:-4], *x.shape).view(torch.int16))
-    with pytest.raises((ValueError, zstandard.ZstdError)):
-        codecs.decode(codec, cell[:-7], *x.shape)
-    for at in (0, 5, len(cell) // 2, len(cell) - 10, len(cell) - 2):
-        damaged = bytearray(cell)
-        damaged[at] ^= 0x04
-        with pytest.raises(codecs.CellError, match="fails its CRC-32"):
-            codecs.decode(codec, bytes(damaged), *x.shape, crc=True)
+    for check, size in (("xxh3_64", 8), ("crc32", 4)):
+        cell = codecs.encode(codec, x, check=check)
+        assert torch.equal(codecs.decode(codec, cell, *x.shape, check=check).view(torch.int16),
+                           codecs.decode(codec, cell[:-size], *x.shape).view(torch.int16))
+        with pytest.raises((ValueError, zstandard.ZstdError)):
+            codecs.decode(codec, cell[:-size - 3], *x.shape)
+        for at in (0, 5, len(cell) // 2, len(cell) - 10, len(cell) - 2):
+            damaged = bytearray(cell)
+            damaged[at] ^= 0x04
+            with pytest.raises(codecs.CellError, match=f"fails its {check}"):
+                codecs.decode(codec, bytes(damaged), *x.shape, check=check)
+    with pytest.raises(ValueError, match="unknown cell check 'md5'"):
+        codecs.encode(codec, x, check="md5")
 
 
 def test_codec_refuses_a_dtype_it_cannot_store():

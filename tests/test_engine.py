@@ -117,3 +117,49 @@ def test_replica_writes_every_row_once_across_units_and_finishes(smol_dir, recor
     for info in infos:
         table = read_table(tmp_path / info.path)
         assert table["token_sha256"].to_pylist() == [token_sha256(recs[int(s[2:])].input_ids) for s in info.sample_ids]
+
+
+# ------------------------------------------------------------------ compute dtype (--dtype)
+
+AVX2_FLAGS = "fpu sse2 avx avx2 fma f16c bmi2"
+SPR_FLAGS = AVX2_FLAGS + " avx512f avx512bw avx512_bf16 avx512_fp16 amx_bf16 amx_tile"
+
+
+@pytest.mark.parametrize("flags, capability, machine, stored, want", [
+    (SPR_FLAGS, "AVX512", "x86_64", "bfloat16", "bfloat16"),  # AVX-512 BF16 / AMX: bf16 is native
+    (SPR_FLAGS, "AVX512", "x86_64", "float16", "float16"),
+    (AVX2_FLAGS + " avx512f avx512bw", "AVX512", "x86_64", "bfloat16", "float32"),  # AVX-512 without BF16
+    (AVX2_FLAGS, "AVX2", "x86_64", "bfloat16", "float32"),
+    (SPR_FLAGS, "AVX2", "x86_64", "bfloat16", "float32"),  # ATEN_CPU_CAPABILITY=avx2: torch dispatches AVX2
+    ("fp asimd asimdhp bf16 sve", "SVE256", "aarch64", "bfloat16", "bfloat16"),
+    ("fp asimd", "DEFAULT", "aarch64", "bfloat16", "float32"),
+    ("fp asimd", "DEFAULT", "aarch64", "float32", "float32"),
+    ("", "DEFAULT", "riscv64", "bfloat16", "bfloat16"),  # unknown: the stored dtype, as before --dtype existed
+])
+def test_auto_compute_dtype_follows_the_cpu(flags, capability, machine, stored, want):
+    from capture.engines.hf import compute_dtype, cpu_features
+
+    key = "Features" if machine == "aarch64" else "flags"
+    features = cpu_features(f"processor\t: 0\n{key}\t\t: {flags}\n\n")
+    assert features == set(flags.split())
+    assert compute_dtype("auto", stored, features, capability, machine) == want
+    assert compute_dtype("bfloat16", stored, features, capability, machine) == "bfloat16"  # given: taken as is
+    assert cpu_features("no such lines\n") is None
+    with pytest.raises(ValueError, match="unknown compute dtype"):
+        compute_dtype("fp8", stored, features, capability, machine)
+
+
+def test_float32_compute_stores_the_float32_forward_rounded_to_bf16(smol_dir, records):
+    """``dtype="float32", state_dtype="bfloat16"``: each state is the float32 forward's, rounded to bf16 (round
+    to nearest even), bit for bit; argmax is the float32 logits' argmax."""
+    eng = HFEngine(str(smol_dir), make_taps(SMOL, (0, 15), "post-norm"), dtype="float32", state_dtype="bfloat16")
+    assert eng.model.dtype == torch.float32
+    for ids in records[1:]:
+        got = eng.forward([ids])[0]
+        with torch.inference_mode():
+            ref = eng.model(torch.from_numpy(ids.astype(np.int64))[None], output_hidden_states=True)
+        for k in (0, 15):
+            assert got.states[f"tap_{k}"].dtype == torch.bfloat16
+            assert torch.equal(got.states[f"tap_{k}"], ref.hidden_states[k + 1][0].to(torch.bfloat16))
+        assert torch.equal(got.states["final"], ref.hidden_states[30][0].to(torch.bfloat16))
+        np.testing.assert_array_equal(got.argmax, ref.logits[0].argmax(-1).numpy())

@@ -19,7 +19,7 @@ def test_schema_columns_and_metadata():
                             "num_loss_tokens", "token_sha256", "finish_reasons", "tap_1", "tap_3", "final"]
     assert SCHEMA.field("finish_reasons").nullable and SCHEMA.field("finish_reasons").type == pa.list_(pa.string())
     assert SCHEMA.field("tap_3").metadata == {b"codec": b"bf16", b"dtype": b"bfloat16", b"shape": b"[T, 8]",
-                                              b"layer": b"3", b"check": b"crc32"}
+                                              b"layer": b"3", b"check": b"xxh3_64"}
     assert SCHEMA.field("final").metadata[b"layer"] == b"post-norm"
     assert shard_format.read_header(SCHEMA) == HEADER
     assert "argmax" not in shard_format.schema(make_header(argmax=False)).names
@@ -39,31 +39,36 @@ def test_format_version_2_refused(tmp_path):
     assert issubclass(FormatError, CaptureError)
 
 
-def test_cells_carry_a_crc_from_format_1_3_and_older_runs_keep_their_layout():
-    """A 1.3 header's cells end with their CRC-32; a run started by 1.2 (a resume keeps its header) writes
-    and reads cells without one; both decode to the same states."""
+def test_cells_carry_a_checksum_from_format_1_3_and_older_runs_keep_their_layout():
+    """A 1.4 header's cells end with their XXH3-64, a 1.3 header's with their CRC-32; a run started by 1.2
+    (a resume keeps its header) writes and reads cells without one; all decode to the same states."""
     import dataclasses
+    import zlib
 
     import torch
+    import xxhash
     from helpers import make_rows
 
     from shards import codecs
-    from shards.rows import cell_crc, read_row, record_batch
+    from shards.rows import cell_check, read_row, record_batch
 
     rows = make_rows(2, 3)
-    new, old = make_header(codec="bf16-split"), make_header(codec="bf16-split", format_version="1.2")
-    assert new.cell_crc and not old.cell_crc
-    assert cell_crc(shard_format.schema(new)) and not cell_crc(shard_format.schema(old))
+    new, crc, old = (make_header(codec="bf16-split", **v) for v in ({}, {"format_version": "1.3"},
+                                                                      {"format_version": "1.2"}))
+    assert (new.cell_check, crc.cell_check, old.cell_check) == ("xxh3_64", "crc32", None)
+    assert [cell_check(shard_format.schema(h)) for h in (new, crc, old)] == ["xxh3_64", "crc32", None]
     assert b"check" not in shard_format.schema(old).field("tap_3").metadata
-    tables = [pa.Table.from_batches([record_batch(shard_format.schema(h), rows)]) for h in (new, old)]
+    tables = [pa.Table.from_batches([record_batch(shard_format.schema(h), rows)]) for h in (new, crc, old)]
     cells = [t.column("tap_3")[0].as_py() for t in tables]
-    assert len(cells[0]) == len(cells[1]) + 4 and cells[0][:-4] == cells[1]
+    plain = cells[2]
+    assert cells[0] == plain + xxhash.xxh3_64_intdigest(plain).to_bytes(8, "little")
+    assert cells[1] == plain + zlib.crc32(plain).to_bytes(4, "little")
     x = rows[0].states["tap_3"]
-    assert codecs.decode("bf16-split", cells[0], *x.shape, crc=True).equal(x)
+    assert codecs.decode("bf16-split", cells[0], *x.shape, check="xxh3_64").equal(x)
     for t in tables:
         got = read_row(t, 0)
         assert all(torch.equal(got.states[c], rows[0].states[c]) for c in rows[0].states)
-    assert dataclasses.replace(new, format_version="1.10").cell_crc  # minor versions compare as numbers
+    assert dataclasses.replace(new, format_version="1.10").cell_check == "xxh3_64"  # minor versions compare as numbers
 
 
 def test_format_minor_version_accepted(tmp_path):

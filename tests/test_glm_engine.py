@@ -63,6 +63,7 @@ def captured(fixture_dir, tmp_path_factory):
     proc = capture_cli("run", "--target", str(fixture_dir), "--dataset", str(data), "--layers",
                        ",".join(map(str, LAYERS)), "--final", "post-norm", "--out", str(out), "--no-progress",
                        "--batch-tokens", "1",  # one record per forward: padding is checked in float32 below
+                       "--dtype", "bfloat16",  # the bf16 reference's arithmetic on any CPU
                        "--json", check=True)
     return json.loads(proc.stdout), list(iter_rows(out)), out
 

