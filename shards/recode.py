@@ -6,12 +6,17 @@ reasons; only the state cells change. DST is a run folder of its own
 (header equal to SRC's but for the codec, same commit protocol), so an interrupted recode resumes by
 rerunning it.
 Recoding a lossy run into a lossless codec stores the lossy values losslessly (logged as a warning).
+DST gets SRC's ``provenance.json`` (target, weights, tokenizer, dataset: what its rows were made from)
+with a ``recoded`` entry added (source run, codec, format version, time), so a trainer finds the target
+folder and ``capture provenance verify`` checks the weights as for SRC.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import time
 
 from capture.errors import CaptureError
 from shards import codecs
@@ -64,4 +69,17 @@ def recode(src: str | os.PathLike | Location, dst: str | os.PathLike | Location,
         commit(out.close())
         last = {k: v for k, v in (m.completions[-1] if m.completions else {}).items() if k != "kind"}
         writer.complete(last | {"recoded_from": str(source.absolute()), "codec": codec})
+        _copy_provenance(source, target, codec)
         return counts
+
+
+def _copy_provenance(source: Location, target: Location, codec: str) -> None:
+    """SRC's ``provenance.json`` into DST with ``recoded: {"from", "codec", "format_version", "time"}`` (a
+    recode of a recode keeps the first source's record and names the last). Nothing when SRC has none."""
+    if not source.exists("provenance.json"):
+        log.warning("%s has no provenance.json; the recoded run has none either", source.path)
+        return
+    data = json.loads(source.read_bytes("provenance.json"))
+    data["recoded"] = {"from": str(source.absolute()), "codec": codec, "format_version": FORMAT_VERSION,
+                       "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    target.write_bytes("provenance.json", json.dumps(data, indent=1, sort_keys=True).encode() + b"\n")

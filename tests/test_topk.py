@@ -226,6 +226,16 @@ def test_topk_round_trip_stream_pack_hf_recode(topk_run, tmp_path):
     for name in topk_mod.COLUMNS:
         assert copy.column(name).to_pylist() == table.column(name).to_pylist()  # the same cells, byte for byte
     assert capture_inproc("shards", "verify", str(fp8)).exit_code == 0
+    # the copy says what its rows were made from: the source's provenance, plus the recode
+    import json
+
+    from drafter.train import default_target_dir
+
+    source, copied = (json.loads((run / "provenance.json").read_text()) for run in (topk_run, fp8))
+    recoded = copied.pop("recoded")
+    assert copied == source and recoded["codec"] == "fp8-e4m3" and recoded["from"] == str(topk_run.absolute())
+    assert default_target_dir(fp8) == default_target_dir(topk_run)  # a drafter trains from the copy as it is
+    assert capture_inproc("provenance", "verify", str(fp8)).exit_code == 0
 
 
 def test_export_leaves_topk_out_and_says_so(topk_run, tmp_path):
