@@ -1,10 +1,12 @@
 """Capture throughput against the same engine's plain forward, and bytes per token.
 
-Same tokens, same batches, same model: real ShareGPT conversations through SmolLM2's chat template.
-  plain   : the standard HF forward (model(...).logits.argmax(-1)): every layer and the LM head, as
-            computing argmax needs, nothing kept; it materializes [B, T, vocab] logits, padding included
-  capture : Replica.process + finish — hooks on the taps, argmax in 1,024-token chunks over real tokens
-            only, validation, the writer thread encoding cells (--codec) and writing fsync'd shards
+Same tokens, same model: real ShareGPT conversations through SmolLM2's chat template.
+  plain   : the cheapest correct forward: each conversation alone, unpadded, the standard HF forward
+            (model(ids[None]).logits.argmax(-1)): every layer and the LM head, as computing argmax
+            needs, nothing kept
+  capture : Replica.process + finish (the HF engine prefills one record per forward too) — hooks on the
+            taps, argmax in 1,024-token chunks, validation, the writer thread encoding cells (--codec) and
+            writing fsync'd shards
 Runs are interleaved (plain, capture, plain, capture, ...) and the median of 3 is reported.
 
     python bench/capture_overhead.py [--rows 40] [--max-tokens 1024] [--layers 3,15,27] [--repeats 3]
@@ -34,7 +36,7 @@ def main() -> None:
 
     from capture.chat import load_encoder, tokenizer_sha256
     from capture.data import ReadStats, iter_conversations, resolve_dataset
-    from capture.replica import Replica, length_batches
+    from capture.replica import Replica
     from capture.targets import PRESETS, make_taps, model_dir
     from filters import FilterConfig, apply_filters
     from shards import format as shard_format
@@ -61,19 +63,14 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="capture-bench-"))
     replica = Replica(str(mdir), taps, header, str(out), shard_size=64 * 2**20, batch_tokens=args.batch_tokens,
                       threads=threads)
+    replica.start()
     model = replica.engine.model
-    batches = [[r.input_ids for r in b] for b in length_batches(recs, args.batch_tokens)]
+    inputs = [torch.from_numpy(r.input_ids.astype(np.int64))[None] for r in recs]
 
     @torch.inference_mode()
     def plain() -> None:
-        for batch in batches:
-            width = max(len(x) for x in batch)
-            ids = torch.zeros((len(batch), width), dtype=torch.long)
-            att = torch.zeros((len(batch), width), dtype=torch.long)
-            for i, x in enumerate(batch):
-                ids[i, : len(x)] = torch.from_numpy(x.astype(np.int64))
-                att[i, : len(x)] = 1
-            model(input_ids=ids, attention_mask=att, use_cache=False).logits.argmax(-1)
+        for ids in inputs:
+            model(input_ids=ids, use_cache=False).logits.argmax(-1)
 
     def capture() -> None:
         replica.process(recs)
@@ -90,7 +87,7 @@ def main() -> None:
     raw_state = tokens * len(taps.columns) * target.hidden_size * 2
     p, c = statistics.median(times["plain"]), statistics.median(times["capture"])
     print(f"SmolLM2-135M bf16 on {threads} CPU threads; {len(recs)} ShareGPT conversations, {tokens:,} tokens "
-          f"(≤{args.max_tokens} each), taps {args.layers}, argmax on, batch {args.batch_tokens} padded tokens, "
+          f"(≤{args.max_tokens} each), taps {args.layers}, argmax on, one conversation per forward, "
           f"codec {args.codec}")
     print()
     print("| path | median s | tokens/s | runs (s) |")

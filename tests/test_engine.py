@@ -1,5 +1,7 @@
 """HF engine states against a reference forward of the real SmolLM2 model."""
 
+import collections
+
 import numpy as np
 import pytest
 import torch
@@ -55,23 +57,15 @@ def test_last_layer_tap_is_raw_output_not_hf_last_entry(engine, records, referen
         assert torch.equal(engine.decoder.norm(got.states["tap_29"][None])[0], hs[30][0])
 
 
-def test_padded_batch_within_bf16_tolerance(engine, records, reference):
-    """Right padding never lets a real token see a pad; batch shapes change bf16 kernels slightly, so the greedy
-    token flips only at near-ties."""
-    batch = engine.forward(records)
-    cos = torch.nn.functional.cosine_similarity
-    for got, ids, (hs, logits) in zip(batch, records, reference):
-        assert all(t.shape == (len(ids), 576) and t.dtype == torch.bfloat16 for t in got.states.values())
+def test_a_batch_is_each_record_alone(engine, records, reference):
+    """The default prefill is one record per forward: a batch of mixed lengths gives every record the
+    states and argmax of its own plain forward, bit for bit."""
+    assert not engine.packs
+    for got, (hs, logits) in zip(engine.forward(records), reference):
         for k in (0, 3, 15):
-            c = cos(got.states[f"tap_{k}"].float(), hs[k + 1][0].float(), dim=-1)
-            assert c.min() >= 0.999, (k, c.min())
-        ref = logits.argmax(-1).numpy()
-        assert (got.argmax == ref).mean() >= 0.95
-        # where the padded batch's greedy token differs, the unpadded forward scored both within a bf16 step
-        # or two (measured on an AVX-512/AMX CPU: gaps 0 to 0.25 logits at 2-3% of positions; AVX2: < 2%)
-        bad = np.flatnonzero(got.argmax != ref)
-        gaps = logits.float()[bad, ref[bad]] - logits.float()[bad, got.argmax[bad]]
-        assert bool((gaps <= 0.5).all()), gaps
+            assert torch.equal(got.states[f"tap_{k}"], hs[k + 1][0])
+        assert torch.equal(got.states["final"], hs[30][0])
+        np.testing.assert_array_equal(got.argmax, logits.argmax(-1).numpy())
 
 
 def test_pre_norm_final_and_early_stop(smol_dir, records, reference):
@@ -119,34 +113,72 @@ def test_replica_writes_every_row_once_across_units_and_finishes(smol_dir, recor
         assert table["token_sha256"].to_pylist() == [token_sha256(recs[int(s[2:])].input_ids) for s in info.sample_ids]
 
 
+
+def test_first_shard_and_old_shards_close_with_their_unit(smol_dir, records, tmp_path):
+    """With a shard size nothing here reaches: the replica's first unit closes its first shard; a later
+    unit leaves its shard open (to finish) unless the shard has been open ``commit_seconds``."""
+    from capture.chat import Tokenized
+    from capture.replica import Replica
+    from shards import format as shard_format
+
+    taps = make_taps(SMOL, (3,), "none")
+    header = shard_format.header(target={"name": "smol"}, taps=taps.describe(), columns=list(taps.columns),
+                                 hidden_size=576, dtype="bfloat16", codec="bf16-split", argmax=False,
+                                 chat_template="", chat_template_sha256="", tokenizer_sha256="")
+    recs = [Tokenized(f"d:{i}", i, "s", ids, np.ones(len(ids), dtype=bool)) for i, ids in enumerate(records)]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    lazy = Replica(str(smol_dir), taps, header, str(tmp_path / "a"), shard_size=2**30, batch_tokens=256)
+    lazy.start()
+    assert [i.sample_ids for i in lazy.process(recs[:1]).shards] == [("d:0",)]
+    assert lazy.process(recs[1:2]).shards == [] and lazy.process(recs[2:]).shards == []
+    assert [i.sample_ids for i in lazy.finish()] == [("d:1", "d:2")]
+    eager = Replica(str(smol_dir), taps, header, str(tmp_path / "b"), shard_size=2**30, batch_tokens=256,
+                    commit_seconds=0.0)
+    eager.start()
+    got = [[i.sample_ids for i in eager.process([r]).shards] for r in recs]
+    assert got == [[("d:0",)], [("d:1",)], [("d:2",)]] and eager.finish() == []
+
+
+def test_units_start_small_one_per_replica():
+    """Each replica's first unit holds about ``first_tokens``; the rest about ``unit_tokens``."""
+    from capture.driver import _units
+
+    Rec = collections.namedtuple("Rec", "sample_id num_tokens")
+    recs = [Rec(str(i), 1000) for i in range(20)]
+    sizes = [sum(r.num_tokens for r in u) for u in _units(iter(recs), 8000, first=2, first_tokens=2500)]
+    assert sizes == [3000, 3000, 8000, 6000]
+    assert [len(u) for u in _units(iter(recs), 8000)] == [8, 8, 4]
+
 # ------------------------------------------------------------------ compute dtype (--dtype)
 
 AVX2_FLAGS = "fpu sse2 avx avx2 fma f16c bmi2"
 SPR_FLAGS = AVX2_FLAGS + " avx512f avx512bw avx512_bf16 avx512_fp16 amx_bf16 amx_tile"
 
 
-@pytest.mark.parametrize("flags, capability, machine, stored, want", [
-    (SPR_FLAGS, "AVX512", "x86_64", "bfloat16", "bfloat16"),  # AVX-512 BF16 / AMX: bf16 is native
-    (SPR_FLAGS, "AVX512", "x86_64", "float16", "float16"),
-    (AVX2_FLAGS + " avx512f avx512bw", "AVX512", "x86_64", "bfloat16", "float32"),  # AVX-512 without BF16
-    (AVX2_FLAGS, "AVX2", "x86_64", "bfloat16", "float32"),
-    (SPR_FLAGS, "AVX2", "x86_64", "bfloat16", "float32"),  # ATEN_CPU_CAPABILITY=avx2: torch dispatches AVX2
-    ("fp asimd asimdhp bf16 sve", "SVE256", "aarch64", "bfloat16", "bfloat16"),
-    ("fp asimd", "DEFAULT", "aarch64", "bfloat16", "float32"),
-    ("fp asimd", "DEFAULT", "aarch64", "float32", "float32"),
-    ("", "DEFAULT", "riscv64", "bfloat16", "bfloat16"),  # unknown: the stored dtype, as before --dtype existed
+@pytest.mark.parametrize("flags, max_isa, machine, stored, want", [
+    (SPR_FLAGS, "ALL", "x86_64", "bfloat16", "bfloat16"),  # AVX-512 BF16 / AMX: bf16 is native
+    (SPR_FLAGS, "ALL", "x86_64", "float16", "float16"),
+    (SPR_FLAGS, "AVX512_CORE_AMX", "x86_64", "bfloat16", "bfloat16"),
+    (AVX2_FLAGS + " avx512f avx512bw", "ALL", "x86_64", "bfloat16", "float32"),  # AVX-512 without BF16
+    (AVX2_FLAGS, "ALL", "x86_64", "bfloat16", "float32"),
+    (SPR_FLAGS, "AVX2", "x86_64", "bfloat16", "float32"),  # ONEDNN_MAX_CPU_ISA=AVX2: oneDNN computes as on AVX2
+    ("fp asimd asimdhp bf16 sve", "ALL", "aarch64", "bfloat16", "bfloat16"),
+    ("fp asimd", "ALL", "aarch64", "bfloat16", "float32"),
+    ("fp asimd", "ALL", "aarch64", "float32", "float32"),
+    ("", "ALL", "riscv64", "bfloat16", "bfloat16"),  # unknown: the stored dtype, as before --dtype existed
 ])
-def test_auto_compute_dtype_follows_the_cpu(flags, capability, machine, stored, want):
+def test_auto_compute_dtype_follows_the_cpu(flags, max_isa, machine, stored, want):
     from capture.engines.hf import compute_dtype, cpu_features
 
     key = "Features" if machine == "aarch64" else "flags"
     features = cpu_features(f"processor\t: 0\n{key}\t\t: {flags}\n\n")
     assert features == set(flags.split())
-    assert compute_dtype("auto", stored, features, capability, machine) == want
-    assert compute_dtype("bfloat16", stored, features, capability, machine) == "bfloat16"  # given: taken as is
+    assert compute_dtype("auto", stored, features, max_isa, machine) == want
+    assert compute_dtype("bfloat16", stored, features, max_isa, machine) == "bfloat16"  # given: taken as is
     assert cpu_features("no such lines\n") is None
     with pytest.raises(ValueError, match="unknown compute dtype"):
-        compute_dtype("fp8", stored, features, capability, machine)
+        compute_dtype("fp8", stored, features, max_isa, machine)
 
 
 def test_float32_compute_stores_the_float32_forward_rounded_to_bf16(smol_dir, records):
@@ -174,20 +206,21 @@ def test_pack_groups_keeps_order_and_budget():
     assert pack_groups([], 512) == [] and pack_groups([600], 512) == [[0]]
 
 
-def test_packed_batch_matches_each_record_alone_and_keeps_records_apart(engine, records):
+def test_packed_batch_matches_each_record_alone_and_keeps_records_apart(smol_dir, engine, records):
     """A batch of real conversations of mixed lengths, packed (several records a forward, no padding):
     every record's states within bf16 kernel differences of its forward alone and argmax equal but at
     near-ties; changing one record's tokens leaves every other record's states bit-identical."""
     from capture.engines.hf import pack_groups
 
+    packing = HFEngine(str(smol_dir), make_taps(SMOL, (0, 3, 15), "post-norm"), pack_tokens=512)
     batch = [records[0], records[1][:97], records[2], records[1][:40], records[2][:63]]
-    groups = pack_groups([len(b) for b in batch], engine.pack_tokens)
-    assert engine.packs and max(len(g) for g in groups) >= 3  # this test packs, several records a forward
-    got = engine.forward(batch)
+    groups = pack_groups([len(b) for b in batch], packing.pack_tokens)
+    assert packing.packs and max(len(g) for g in groups) >= 3  # this test packs, several records a forward
+    got = packing.forward(batch)
     cos = torch.nn.functional.cosine_similarity
     for ids, g in zip(batch, got):
         alone = engine.forward([ids])[0]
-        for c in alone.states:
+        for c in g.states:
             assert g.states[c].shape == (len(ids), 576)
             # bf16 kernels of another matmul shape: measured worst token 0.9985 (tap_15), mean > 0.99998
             c_ = cos(g.states[c].float(), alone.states[c].float(), dim=-1)
@@ -195,7 +228,7 @@ def test_packed_batch_matches_each_record_alone_and_keeps_records_apart(engine, 
         assert (g.argmax == alone.argmax).mean() >= 0.95
     changed = [b.copy() for b in batch]
     changed[3] = (changed[3] + 7) % 49152  # in the pack [2, 3, 4]: record 4 comes after it in the same forward
-    again = engine.forward(changed)
+    again = packing.forward(changed)
     for i, (a, b) in enumerate(zip(got, again)):
         if i != 3:
             assert all(torch.equal(a.states[c], b.states[c]) for c in a.states), i

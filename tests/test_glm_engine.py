@@ -62,7 +62,6 @@ def captured(fixture_dir, tmp_path_factory):
     out = tmp / "run"
     proc = capture_cli("run", "--target", str(fixture_dir), "--dataset", str(data), "--layers",
                        ",".join(map(str, LAYERS)), "--final", "post-norm", "--out", str(out), "--no-progress",
-                       "--batch-tokens", "1",  # one record per forward: padding is checked in float32 below
                        "--dtype", "bfloat16",  # the bf16 reference's arithmetic on any CPU
                        "--json", check=True)
     return json.loads(proc.stdout), list(iter_rows(out)), out
@@ -127,14 +126,14 @@ def test_every_tap_matches_reference(captured, reference_bf16, reference, fixtur
 
 
 def test_glm_padding_changes_states_in_transformers(fixture_dir):
-    """Why the HF engine prefills GLM records one at a time (UNPADDED_ARCHITECTURES): the model's own
+    """Why the HF engine never packs GLM records (UNBATCHED_ARCHITECTURES): the model's own
     right-padded batch gives the shorter record other states than its forward alone, in float32 (from
     the first layer in glm_moe_dsa; from the indexer layer 3 in glm5_next, here for a 30-token record
     padded to 40)."""
-    from capture.engines.hf import UNPADDED_ARCHITECTURES, load_causal_lm
+    from capture.engines.hf import UNBATCHED_ARCHITECTURES, load_causal_lm
 
     arch = json.loads((fixture_dir / "config.json").read_text())["model_type"]
-    assert arch in UNPADDED_ARCHITECTURES
+    assert arch in UNBATCHED_ARCHITECTURES
     model = load_causal_lm(str(fixture_dir), torch.float32)
     n, width, layer = (40, 60, 1) if arch == "glm_moe_dsa" else (30, 40, 4)  # hidden_states[k + 1] = layer k
     a = torch.arange(100, 100 + n)
@@ -146,7 +145,7 @@ def test_glm_padding_changes_states_in_transformers(fixture_dir):
     if padded.dim() == 3:
         padded, alone = padded.mean(1), alone.mean(1)
     diff = (padded - alone).abs().max().item()
-    assert diff > 1e-3, diff  # if this fails, transformers fixed it: drop the arch from UNPADDED_ARCHITECTURES
+    assert diff > 1e-3, diff  # if this fails, transformers fixed it: drop the arch from UNBATCHED_ARCHITECTURES
 
 
 def test_float32_engine_equals_reference(fixture_dir, reference):

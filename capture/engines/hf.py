@@ -1,4 +1,4 @@
-"""HF transformers engine: batched prefill that keeps only the tapped layers.
+"""HF transformers engine: prefill that keeps only the tapped layers.
 
 Taps are taken with forward hooks on the decoder layers (never ``output_hidden_states`` for every layer):
 tap k is the output of ``model.layers[k]`` (in transformers 5 a decoder layer returns a Tensor; older
@@ -8,22 +8,27 @@ versions return a tuple whose first item is the hidden state; GLM's decoder laye
 :func:`capture.targets.reduce_streams` (mean over streams, the model's own reduction before its norm). The final state is the output of the
 final norm (``post-norm``) or of layer L-1 (``pre-norm``); see :mod:`capture.targets` for the convention.
 
-Batches are packed, never padded, where the model allows it: the records of a batch are concatenated
-into groups of at most ``pack_tokens`` tokens, each group one forward with per-record ``position_ids``
-(0, 1, ... for each record) and no attention mask, from which transformers' mask utilities build a
-block-diagonal causal mask (``masking_utils.find_packed_sequence_indices``; only without a KV cache,
-hence ``use_cache=False``). A record never sees another: at load the engine checks that the model packs
-exactly so (:meth:`HFEngine._packing_isolates`: a neighbour's states are bit-identical whatever the
-record before it holds, and match its forward alone); a model that fails the check gets right-padded
-batches (with causal attention a real token never attends to a later pad). Packed states differ from a
-record's forward alone only by kernel shapes (bf16: per-token cosine measured >= 0.9985, float32: ~1e-4 absolute;
-tests/test_engine.py). Attention over a packed group costs its length squared, so ``pack_tokens`` stays
-small on a CPU (measured: bench/packing.out). Exception: transformers' GLM-5.x models (``glm_moe_dsa``,
-``glm5_next``; their DSA sparse indexers) give a right-padded record other states than the same record
-alone, even in float32 (measured on the tiny fixtures: ``glm_moe_dsa`` tap 0 off by 1.2e-2 from token 12
-on; ``glm5_next`` from its indexer layer on, for some lengths, e.g. 29-31 tokens padded to 40; asserted in
-tests/test_glm_engine.py), so targets listed in :data:`UNPADDED_ARCHITECTURES` are prefilled one record per
-forward. When neither ``argmax`` nor the post-norm final state is
+A batch is prefilled one record per forward by default (``pack_tokens=0``): no padding, no mask, the
+same forward as a plain ``model(ids[None])``, so states and argmax are bit-identical to it (tests/test_engine.py)
+and nothing is computed for a token that is not stored. On a CPU no batching measured faster
+(bench/packing.out, SmolLM2, 40 ShareGPT conversations <= 1,024 tokens, tokens per CPU-second against
+one per forward: packed groups of 512-1,024 tokens 0.98-1.04x, within the ~5% between repeats;
+right-padded batches of 8,192 tokens 0.73-0.80x; packed groups of 2,048 tokens 0.54-0.71x): a CPU gains
+little from a larger matmul, and attention over a packed group costs its length squared. ``pack_tokens=N`` packs instead, for accelerators where one long forward beats many
+short ones: the records of a batch are concatenated into groups of at most N tokens, each group one
+forward with per-record ``position_ids`` (0, 1, ... for each record) and no attention mask, from which
+transformers' mask utilities build a block-diagonal causal mask
+(``masking_utils.find_packed_sequence_indices``; only without a KV cache, hence ``use_cache=False``). A
+record never sees another: at load the engine checks that the model packs exactly so
+(:meth:`HFEngine._packing_isolates`: a neighbour's states are bit-identical whatever the record before it
+holds, and match its forward alone); a model that fails the check is prefilled one record per forward.
+Packed states differ from a record's forward alone only by kernel shapes (bf16: per-token cosine measured
+>= 0.9985; tests/test_engine.py). transformers' GLM-5.x models (``glm_moe_dsa``, ``glm5_next``) are never
+packed: their DSA sparse indexers choose keys over the whole sequence, and even a right-padded record gets
+other states than the same record alone, in float32 (measured on the tiny fixtures: ``glm_moe_dsa`` tap 0
+off by 1.2e-2 from token 12 on; ``glm5_next`` from its indexer layer on, for some lengths, e.g. 29-31
+tokens padded to 40; tests/test_glm_engine.py), so packing is not asserted safe for them
+(:data:`UNBATCHED_ARCHITECTURES`). When neither ``argmax`` nor the post-norm final state is
 needed, the forward stops right after the last tapped layer.
 
 Compute dtype (``dtype``) and stored dtype (``state_dtype``) may differ: on a CPU without native bf16
@@ -84,22 +89,24 @@ def cpu_features(cpuinfo: str | None = None) -> set[str] | None:
     return None
 
 
-def compute_dtype(requested: str, stored: str, features: set[str] | None = None, capability: str | None = None,
+def compute_dtype(requested: str, stored: str, features: set[str] | None = None, max_isa: str | None = None,
                   machine: str | None = None) -> str:
     """The dtype the HF engine computes in on the CPU. ``requested``: ``float32``, ``bfloat16``,
     ``float16`` (taken as given) or ``auto``: ``stored`` (the run's state dtype) where the CPU has native
     dot products for it, else ``float32``; ``stored`` where that cannot be told (no ``/proc/cpuinfo``).
-    Native means, on x86, one of the ``_NATIVE`` flags and torch dispatching AVX-512 kernels
-    (``torch.backends.cpu.get_cpu_capability()``; ``ATEN_CPU_CAPABILITY=avx2`` turns them off, and so
-    ``auto`` to float32); on aarch64 the ``bf16`` / ``asimdhp`` feature. Measured on SmolLM2-135M, one
-    thread: AVX2 bf16 42.7 vs float32 254.7 tokens per CPU-second; AVX-512 BF16 bf16 ~2.7x float32
-    (bench/compute_dtype.out). ``features``, ``capability`` and ``machine`` default to this machine's."""
+    Native means, on x86, one of the ``_NATIVE`` flags, unless oneDNN is capped below it
+    (``ONEDNN_MAX_CPU_ISA``, e.g. ``AVX2``: ``max_isa``); on aarch64 the ``bf16`` / ``asimdhp`` feature.
+    oneDNN, not ATen's dispatch, runs a bf16 linear layer: with ``ATEN_CPU_CAPABILITY=avx2`` alone this
+    AVX-512 BF16 CPU still computed bf16 at 2.33x float32; capped with ``ONEDNN_MAX_CPU_ISA=AVX2`` too, at
+    0.29x (an AVX2-only CPU: 42.7 vs 254.7 tokens per CPU-second, 0.17x). bench/compute_dtype.out,
+    SmolLM2-135M, one thread. ``features``, ``max_isa`` and ``machine`` default to this machine's."""
     if requested not in COMPUTE_DTYPES:
         raise ValueError(f"unknown compute dtype {requested!r}; one of {', '.join(COMPUTE_DTYPES)}")
     if requested != "auto":
         return requested
     if stored not in _NATIVE:
         return stored
+    import os
     import platform
 
     features = cpu_features() if features is None else features
@@ -108,8 +115,9 @@ def compute_dtype(requested: str, stored: str, features: set[str] | None = None,
     machine = (machine or platform.machine()).lower()
     x86, arm = _NATIVE[stored]
     if machine in ("x86_64", "amd64", "i686"):
-        capability = capability or torch.backends.cpu.get_cpu_capability()
-        native = bool(features & x86) and capability.upper().startswith("AVX512")
+        isa = (max_isa if max_isa is not None else os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL")).upper()
+        capped = isa != "ALL" and not any(k in isa for k in ("BF16", "FP16", "AMX", "AVX10"))
+        native = bool(features & x86) and not capped
     elif machine in ("aarch64", "arm64"):
         native = bool(features & arm)
     else:
@@ -117,11 +125,8 @@ def compute_dtype(requested: str, stored: str, features: set[str] | None = None,
     return stored if native else "float32"
 
 
-# most tokens per packed forward (bench/packing.out: on a CPU attention over a longer pack costs more than
-# the per-forward overhead it saves)
-PACK_TOKENS = 512
-# model types whose padded batches change real tokens' states (see the module docstring)
-UNPADDED_ARCHITECTURES = frozenset({"glm_moe_dsa", "glm5_next"})
+# model types never packed (the module docstring): their padded batches change real tokens' states
+UNBATCHED_ARCHITECTURES = frozenset({"glm_moe_dsa", "glm5_next"})
 
 
 class _StopForward(Exception):
@@ -178,7 +183,9 @@ class HFEngine:
     """Load ``model_dir`` and capture ``taps``. ``dtype``: the dtype the model computes in; ``state_dtype``:
     the dtype states come back in (None: ``dtype``; a run passes its header's, e.g. float32 compute and
     bf16 states). ``threads`` sets torch's intra-op threads (None: unchanged); ``device_map`` (e.g.
-    ``"auto"`` on a GPU machine; None: CPU) places the model, states come back on CPU."""
+    ``"auto"`` on a GPU machine; None: CPU) places the model, states come back on CPU. ``pack_tokens``:
+    0 prefills one record per forward; N > 0 packs records into forwards of at most N tokens where the
+    model keeps packed records apart (module docstring)."""
 
     name = "hf"
     # load_engine passes no device_map yet
@@ -186,7 +193,7 @@ class HFEngine:
 
     def __init__(self, model_dir: str, taps: Taps, *, argmax: bool = True, dtype: str = "bfloat16", threads: int | None = None,
                  device_map: str | None = None, topk: int = 0, state_dtype: str | None = None,
-                 pack_tokens: int = PACK_TOKENS):
+                 pack_tokens: int = 0):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # one progress bar per run (the driver's), not one per replica
@@ -198,7 +205,6 @@ class HFEngine:
         self.model = load_causal_lm(model_dir, getattr(torch, dtype), device_map)
         self.state_dtype = getattr(torch, state_dtype or dtype)
         self.device = self.model.get_input_embeddings().weight.device
-        self.one_at_a_time = self.model.config.model_type in UNPADDED_ARCHITECTURES
         self.decoder = self.model.get_decoder()
         self.layers = self.decoder.layers
         self.num_layers = len(self.layers)
@@ -206,8 +212,9 @@ class HFEngine:
         self._saved: dict[str, torch.Tensor] = {}
         self._capturing = False
         self._stop_after = self._last_needed_layer()
-        self.pack_tokens = pack_tokens
-        self.packs = not self.one_at_a_time and self._packing_isolates()
+        self.pack_tokens = int(pack_tokens)
+        self.packs = (self.pack_tokens > 0 and self.model.config.model_type not in UNBATCHED_ARCHITECTURES
+                      and self._packing_isolates())
         self._hooks = [self.layers[k].register_forward_hook(self._saver(tap_column(k), k)) for k in taps.layers]
         if taps.final == "pre-norm":
             self._hooks.append(self.layers[-1].register_forward_hook(self._saver("final", self.num_layers - 1)))
@@ -230,7 +237,7 @@ class HFEngine:
 
         try:
             first, second, alone = last(a, b, positions=pos)[7:], last(a2, b, positions=pos)[7:], last(b)
-        except Exception:  # noqa: BLE001 - a model whose forward refuses position ids this way: padded batches
+        except Exception:  # noqa: BLE001 - a model whose forward refuses position ids this way: one per forward
             return False
         close = torch.nn.functional.cosine_similarity(first, alone, dim=-1).min() > 0.99
         return bool(torch.equal(first, second) and close)
@@ -255,37 +262,17 @@ class HFEngine:
     @torch.inference_mode()
     def forward(self, batch: Sequence[np.ndarray]) -> list[Captured]:
         """Prefill a batch of token id arrays (int32 ``[T_i]``) and return one :class:`Captured` each, in
-        order: packed groups of at most ``pack_tokens`` tokens where the model packs (module docstring),
-        one record per forward for :data:`UNPADDED_ARCHITECTURES`, else one right-padded forward."""
-        if self.one_at_a_time and len(batch) > 1:
-            return [c for ids in batch for c in self.forward([ids])]
+        order: one record per forward, or packed groups of at most ``pack_tokens`` tokens where the engine
+        packs (module docstring)."""
         if self.packs:
-            return [c for group in pack_groups([len(ids) for ids in batch], self.pack_tokens)
-                    for c in self._forward_packed([batch[i] for i in group])]
-        lengths = [len(ids) for ids in batch]
-        width = max(lengths)
-        input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, ids in enumerate(batch):
-            input_ids[i, : lengths[i]] = torch.from_numpy(np.asarray(ids, dtype=np.int64))
-            attention[i, : lengths[i]] = 1
-        self._saved.clear()
-        last = None
-        self._capturing = True
-        try:
-            last = self.decoder(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
-                                use_cache=False).last_hidden_state
-        except _StopForward:
-            pass
-        finally:
-            self._capturing = False
-        out = [self._captured({c: self._saved[c][i, :n] for c in self.taps.columns},
-                              None if last is None else last[i, :n]) for i, n in enumerate(lengths)]
-        self._saved.clear()
-        return out
+            groups = pack_groups([len(ids) for ids in batch], self.pack_tokens)
+        else:
+            groups = [[i] for i in range(len(batch))]
+        return [c for group in groups for c in self._forward_group([batch[i] for i in group])]
 
-    def _forward_packed(self, group: Sequence[np.ndarray]) -> list[Captured]:
-        """One forward of ``group`` concatenated, positions restarting at 0 for each record."""
+    def _forward_group(self, group: Sequence[np.ndarray]) -> list[Captured]:
+        """One forward of ``group`` concatenated, positions restarting at 0 for each record (one record:
+        a plain forward, no position ids)."""
         lengths = [len(ids) for ids in group]
         input_ids = torch.from_numpy(np.concatenate([np.asarray(ids, dtype=np.int64) for ids in group]))[None]
         positions = torch.from_numpy(np.concatenate([np.arange(n) for n in lengths]))[None]
@@ -293,7 +280,8 @@ class HFEngine:
         last = None
         self._capturing = True
         try:
-            last = self.decoder(input_ids=input_ids.to(self.device), position_ids=positions.to(self.device),
+            last = self.decoder(input_ids=input_ids.to(self.device),
+                                position_ids=positions.to(self.device) if len(group) > 1 else None,
                                 use_cache=False).last_hidden_state[0]
         except _StopForward:
             pass
