@@ -170,8 +170,13 @@ def targets(as_json: bool) -> None:
               help="State codec (default bf16-split, lossless; fp8-e4m3 is lossy, 0.43x).")
 @click.option("--codec-threads", type=int, help="Encoder threads per replica (default 2).")
 @click.option("--shard-size", help="Target shard size, e.g. 512MiB.")
-@click.option("--batch-tokens", type=int, help="Padded tokens per forward.")
+@click.option("--batch-tokens", type=int, help="Tokens per engine call (default 8192): the hf engine still prefills one "
+              "record per forward; with --responses regenerate, padded tokens per generation batch.")
 @click.option("--unit-tokens", type=int, help="Tokens per work unit sent to a replica.")
+@click.option("--commit-every", type=float,
+              help="Seconds an open shard may stay open before it closes and commits with its unit (default "
+                   "300); each replica's first unit (--first-unit-tokens, default 4096) commits its first shard.")
+@click.option("--first-unit-tokens", type=int, help="Tokens in each replica's first work unit (default 4096).")
 @click.option("--replicas", type=int)
 @click.option("--cpus-per-replica", type=int)
 @click.option("--ray-address", help="Ray cluster address: auto, ray://host:10001, host:6379 (default: start a local instance).")

@@ -66,8 +66,12 @@ class RunConfig:
     codec: str = "bf16-split"  # see shards.codecs; lossless, 0.69x of raw bf16
     codec_threads: int = 2  # encoder threads per replica (they overlap the engine's forward)
     shard_size: int = 512 * 2**20
-    batch_tokens: int = 8192  # padded tokens per forward
+    batch_tokens: int = 8192  # tokens per engine call (hf prefill: one record per forward; generation: padded batch)
     unit_tokens: int = 32768  # tokens per work unit handed to a replica
+    # an open shard closes (and commits with its unit) once open this long, and each replica's first unit
+    # (at most first_unit_tokens) closes its first shard: a short or killed run keeps its work
+    commit_every: float = 300.0  # seconds
+    first_unit_tokens: int = 4096
     replicas: int = 1
     cpus_per_replica: int | None = None  # None: all CPUs Ray sees, split over replicas
     ray_address: str | None = None  # None: start a local Ray instance
@@ -100,7 +104,7 @@ _CHOICES = {
     "compute_dtype": ("auto", "float32", "bfloat16", "float16"),
 }
 _INTS = {  # field: smallest allowed value (None allowed where the default is None)
-    "limit": 0, "skip": 0, "shard_size": 1, "batch_tokens": 1, "unit_tokens": 1, "replicas": 1, "cpus_per_replica": 1,
+    "limit": 0, "skip": 0, "shard_size": 1, "batch_tokens": 1, "unit_tokens": 1, "first_unit_tokens": 1, "replicas": 1, "cpus_per_replica": 1,
     "codec_threads": 1, "disk_reserve": 0, "max_unit_attempts": 1, "max_new_tokens": 1, "seed": 0, "tp": 1, "max_model_len": 1,
 }
 
@@ -136,6 +140,9 @@ def _validate(cfg: "RunConfig") -> None:
     ut = cfg.unit_timeout
     if ut is not None and not (isinstance(ut, (int, float)) and not isinstance(ut, bool) and 0 < ut < float("inf")):
         bad("unit_timeout", ut, "a number of seconds > 0")
+    ce = cfg.commit_every
+    if not (isinstance(ce, (int, float)) and not isinstance(ce, bool) and 0 < ce < float("inf")):
+        bad("commit_every", ce, "a number of seconds > 0")
     gmu = cfg.gpu_memory_utilization
     if gmu is not None and not (isinstance(gmu, (int, float)) and not isinstance(gmu, bool) and 0 < gmu <= 1):
         bad("gpu_memory_utilization", gmu, "a fraction in (0, 1]")

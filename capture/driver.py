@@ -215,15 +215,19 @@ def _records(cfg: RunConfig, prep: Prepared, summary: Summary, done: set[str], s
         summary.truncated_input = stats.truncated
 
 
-def _units(records, unit_tokens: int):
+def _units(records, unit_tokens: int, first: int = 0, first_tokens: int = 0):
+    """Work units of about ``unit_tokens`` tokens (a unit ends with the record that reaches the size); the
+    first ``first`` units hold about ``first_tokens`` (one per replica: each replica's first shard commits
+    early)."""
     unit: list[Tokenized] = []
     size = 0
+    sent = 0
     for rec in records:
         unit.append(rec)
         size += rec.num_tokens
-        if size >= unit_tokens:
+        if size >= (min(first_tokens, unit_tokens) if sent < first else unit_tokens):
             yield unit
-            unit, size = [], 0
+            unit, size, sent = [], 0, sent + 1
     if unit:
         yield unit
 
@@ -356,6 +360,7 @@ def _run_on_ray(cfg: RunConfig, prep: Prepared, started: float, loc: Location, p
     def make_actor():
         return actor_cls.remote(prep.model_dir, prep.taps, prep.header, out,
                                 shard_size=cfg.shard_size, batch_tokens=cfg.batch_tokens, threads=cpus,
+                                commit_seconds=cfg.commit_every,
                                 codec_threads=cfg.codec_threads, engine=prep.engine, filters=cfg.filters,
                                 feed=progress.feed)
 
@@ -387,7 +392,8 @@ def _run_on_ray(cfg: RunConfig, prep: Prepared, started: float, loc: Location, p
     try:
         pool = ReplicaPool(make_actor, cfg.replicas, commit=commit, on_result=on_result,
                            unit_timeout=cfg.unit_timeout, max_attempts=cfg.max_unit_attempts, on_tick=progress.tick)
-        for unit in _units(_records(cfg, prep, summary, manifest.sample_ids(), seen), cfg.unit_tokens):
+        records = _records(cfg, prep, summary, manifest.sample_ids(), seen)
+        for unit in _units(records, cfg.unit_tokens, cfg.replicas, cfg.first_unit_tokens):
             need = sum(r.num_tokens for r in unit) * per_token * (cfg.replicas + 1) + cfg.disk_reserve
             free = loc.free_bytes()
             if free is not None and free < need:

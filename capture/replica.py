@@ -9,6 +9,10 @@ each batch of rows to a queue of at most two batches (bounded memory in flight; 
 the writer falls behind), and the writer encodes cells with its own small thread pool (zstd and numpy
 release the GIL). A writer error (e.g. ENOSPC) is raised by the next ``process`` or ``finish`` call.
 
+A shard closes when it reaches ``shard_size``, and also at the end of a unit when it is the replica's
+first shard or has been open ``commit_seconds`` or longer: the driver commits what a unit closed, so a
+short or killed run keeps all but its last unit(s), whatever the shard size.
+
 Self-distillation (header ``responses.mode == "regenerate"``): a work unit holds
 :class:`capture.chat.Prompt` records; the replica generates their answers with the engine
 (:func:`capture.regenerate.regenerate`, batched by ``batch_tokens``), applies the length filters that
@@ -43,6 +47,9 @@ from shards.format import RunHeader, schema
 from shards.rows import Row
 from shards.run import Location
 from shards.writer import ShardInfo, ShardWriter
+
+
+_CLOSE = object()  # a writer queue item: close the open shard
 
 
 @dataclasses.dataclass
@@ -103,7 +110,8 @@ class Replica:
 
     def __init__(self, model_dir: str, taps: Taps, header: RunHeader, out: Location | str, *, shard_size: int,
                  batch_tokens: int, threads: int | None = None, codec_threads: int = 2,
-                 engine: EngineSpec = EngineSpec("hf"), filters: FilterConfig | None = None, feed=None):
+                 engine: EngineSpec = EngineSpec("hf"), filters: FilterConfig | None = None, feed=None,
+                 commit_seconds: float = float("inf")):
         self._load = lambda: load_engine(engine, model_dir, taps, argmax=header.argmax, dtype=header.dtype,
                                          threads=threads, topk=header.topk)
         self.engine = None  # loaded by start(): a Ray actor's constructor error loses its exception type
@@ -119,6 +127,9 @@ class Replica:
         self._error: BaseException | None = None
         self._feed = feed  # capture.progress.feed(): token counts per forward batch, for the driver's display
         self._write_seconds = 0.0  # the writer thread's busy time, handed out with each UnitResult
+        self.commit_seconds = commit_seconds
+        self._opened: float | None = None  # when rows first went into the open shard (None: it holds none)
+        self._closed_any = False  # whether this replica has closed a shard yet
         self._start_writer()
 
     def start(self) -> str:
@@ -133,15 +144,16 @@ class Replica:
 
     def _write_loop(self) -> None:
         while (rows := self._queue.get()) is not None:
-            if self._error is not None:
-                continue  # drop: nothing of a failed writer is committed; the error is raised to the driver
-            t0 = time.perf_counter()
-            try:
-                for info in self.writer.write(rows):
-                    self._closed.put(info)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-                self._error = e
-            self._write_seconds += time.perf_counter() - t0
+            if self._error is None:  # else drop: nothing of a failed writer is committed; the error goes to the driver
+                t0 = time.perf_counter()
+                try:
+                    for info in (self.writer.close() if rows is _CLOSE else self.writer.write(rows)):
+                        self._closed.put(info)
+                except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                    self._error = e
+                self._write_seconds += time.perf_counter() - t0
+            self._queue.task_done()
+        self._queue.task_done()
 
     def _collect(self) -> list[ShardInfo]:
         """Shards the writer closed since the last call; raises the writer's error if it failed."""
@@ -178,9 +190,15 @@ class Replica:
                 raise self._error
             if rows:
                 self._queue.put(rows)
+                self._opened = self._opened or time.monotonic()
             result.tokens += sum(r.num_tokens for r in batch)
             result.rows += len(rows)
+        if self._opened is not None and (not self._closed_any or time.monotonic() - self._opened >= self.commit_seconds):
+            self._queue.put(_CLOSE)  # the open shard closes now and commits with this unit
+            self._queue.join()
+            self._opened = None
         result.shards = self._collect()
+        self._closed_any = self._closed_any or bool(result.shards)
         result.write_seconds, self._write_seconds = self._write_seconds, 0.0
         return result
 
@@ -206,5 +224,6 @@ class Replica:
         self._queue.put(None)
         self._thread.join()
         closed = self._collect() + self.writer.close()
+        self._opened = None
         self._start_writer()  # the replica stays usable (a later unit starts a new shard)
         return closed

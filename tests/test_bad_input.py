@@ -68,6 +68,8 @@ def test_all_records_filtered_exits_non_zero_with_reasons(tmp_path, bad_jsonl):
         (["--shard-size", "lots"], "not a size"),
         (["--chat-template", "/no/template.jinja"], "cannot read --chat-template"),
         (["--unit-timeout", "inf"], "unit-timeout: inf is not a number of seconds > 0"),
+        (["--commit-every", "0"], "commit-every: 0.0 is not a number of seconds > 0"),
+        (["--first-unit-tokens", "0"], "first-unit-tokens: 0 is not"),
     ],
 )
 def test_user_errors_are_one_line(tmp_path, args, message):
