@@ -180,6 +180,10 @@ def targets(as_json: bool) -> None:
 @click.option("--replicas", type=int)
 @click.option("--cpus-per-replica", type=int)
 @click.option("--ray-address", help="Ray cluster address: auto, ray://host:10001, host:6379 (default: start a local instance).")
+@click.option("--executor", type=click.Choice(["auto", "ray", "local"]),
+              help="Where replicas run: ray (actors, each its own process; retries, --unit-timeout, clusters), "
+                   "local (one replica in this process: no Ray daemons), or auto (default: local for one hf "
+                   "replica without --ray-address or --unit-timeout, else ray).")
 @click.option("--unit-timeout", type=float, help="Seconds a work unit may run before its replica counts as hung "
               "and is replaced (default: no limit).")
 @click.option("--max-unit-attempts", type=int, help="Failures of a work unit before it is split; a single record "
@@ -238,7 +242,8 @@ def _print_summary(s: dict) -> None:
     click.echo(f"rows read {s['rows_read']}, already committed {s['already_committed']}, kept {s['kept']}")
     if s["timings"]:
         t = s["timings"]
-        click.echo(f"time: prepare {t['prepare']:.1f} s, start (Ray, engine load) {t['start']:.1f} s, "
+        click.echo(f"time: prepare {t['prepare']:.1f} s, start ({'Ray, ' if s['executor'] == 'ray' else ''}engine load, "
+                   f"replicas {s['executor'] or 'none'}) {t['start']:.1f} s, "
                    f"engine {t['engine']:.1f} s, encode+write {t['write']:.1f} s (beside the engine), "
                    f"commit {t['commit']:.1f} s")
     for title in ("skipped", "rejected", "normalized"):

@@ -10,13 +10,14 @@ SmolLM2's chat template), the same SmolLM2 bf16 folder, taps 3/15/27 and the pos
             --aux-layers 3,15,27`` (one conversation per forward, ``output_hidden_states`` of every layer,
             a ``torch.save`` file per conversation, raw bf16)
   capture : ``capture run --target smollm2-135m --model-path DIR --dataset rows.jsonl --layers 3,15,27
-            --final post-norm --no-argmax --dtype bfloat16`` (Ray, one replica, shards + manifest)
+            --final post-norm --no-argmax --dtype bfloat16`` (shards + manifest), twice: with its default
+            executor (one replica in the driver's process) and with ``--executor ray`` (a Ray actor)
 
 Each command runs as its own process tree, sampled every 0.2 s with psutil: CPU seconds (user + system)
 of every process in the tree, Ray's daemons and workers included (``/usr/bin/time`` sees only waited
 children), and the tree's summed PSS at each sample (its peak is reported). Tokens per CPU-second =
 tokens captured / the tree's CPU seconds, start-up included. Runs are interleaved (peer, capture,
-peer, ...) and the median of --repeats is reported, with bytes on disk per token and how the two runs'
+capture on Ray, peer, ...) and the median of --repeats is reported, with bytes on disk per token and how the two runs'
 states agree (per-token cosine and the share of tokens bit-identical, tap by tap; input ids compared
 first).
 
@@ -45,33 +46,48 @@ LAYERS = (3, 15, 27)
 
 def run_tree(cmd: list[str], env: dict, interval: float = 0.2) -> dict:
     """Run ``cmd``; its tree's wall seconds, CPU seconds (every process seen, by (pid, start time)),
-    peak summed PSS (bytes) and the most processes alive at once. Raises CalledProcessError on failure."""
+    peak summed PSS (bytes), each process's PSS at that peak (``at_peak``: [(name, bytes)], Ray's process
+    titles such as ``ray::Replica``) and the most processes alive at once. Raises CalledProcessError."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     root = psutil.Process(proc.pid)
     cpu: dict[tuple[int, float], float] = {}
     peak_pss = most = 0
+    at_peak: list[tuple[str, int]] = []
     start = time.perf_counter()
     while proc.poll() is None:
         try:
             tree = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             break
-        pss = 0
+        sample = []
         for p in tree:
             try:
                 with p.oneshot():
                     t = p.cpu_times()
                     cpu[(p.pid, p.create_time())] = t.user + t.system
-                    pss += p.memory_full_info().pss
+                    sample.append((process_name(p), p.memory_full_info().pss))
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
-        peak_pss, most = max(peak_pss, pss), max(most, len(tree))
+        pss = sum(b for _, b in sample)
+        if pss > peak_pss:
+            peak_pss, at_peak = pss, sorted(sample, key=lambda x: -x[1])
+        most = max(most, len(tree))
         time.sleep(interval)
     wall = time.perf_counter() - start
     out = proc.stdout.read()
     if proc.wait() != 0:
         raise subprocess.CalledProcessError(proc.returncode, cmd, out)
-    return {"wall": wall, "cpu": sum(cpu.values()), "pss": peak_pss, "procs": most, "log": out}
+    return {"wall": wall, "cpu": sum(cpu.values()), "pss": peak_pss, "at_peak": at_peak, "procs": most, "log": out}
+
+
+def process_name(p: psutil.Process) -> str:
+    """A short name: Ray's process title (``ray::Replica``, ``ray::IDLE``) or the program's file name, with
+    the script or module a Python interpreter runs."""
+    args = [a.rsplit("/", 1)[-1] for a in p.cmdline()] or [p.name()]
+    if args[0].startswith("python"):
+        rest = [a for a in args[1:] if a == "-m" or not a.startswith("-")]
+        return " ".join(rest[:2] if rest[:1] == ["-m"] else rest[:1]) or args[0]
+    return args[0].split(" ")[0]
 
 
 def write_rows(path: Path, mdir: str, rows: int, max_tokens: int) -> int:
@@ -152,14 +168,15 @@ def main() -> None:
         return [sys.executable, str(args.peer), "--model", mdir, "--input-data", str(data), "--output-dir", str(out),
                 "--aux-layers", layers, "--max-seq-len", str(args.max_tokens)]
 
-    def ours(out: Path) -> list[str]:
+    def ours(out: Path, *extra: str) -> list[str]:
         return [capture_bin, "run", "--target", "smollm2-135m", "--model-path", mdir, "--dataset", str(data),
                 "--layers", layers, "--final", "post-norm", "--no-argmax", "--dtype", "bfloat16",
-                "--max-tokens", str(args.max_tokens), "--no-progress", "--out", str(out)]
+                "--max-tokens", str(args.max_tokens), "--no-progress", "--out", str(out), *extra]
 
-    results: dict[str, list[dict]] = {"Model-Optimizer": [], "capture": []}
+    contenders = (("Model-Optimizer", peer), ("capture", ours), ("capture on Ray", lambda out: ours(out, "--executor", "ray")))
+    results: dict[str, list[dict]] = {name: [] for name, _ in contenders}
     for rep in range(args.repeats):
-        for name, make in (("Model-Optimizer", peer), ("capture", ours)):
+        for name, make in contenders:
             out = work / f"{name}-{rep}"
             r = run_tree(make(out), env)
             r["bytes"] = disk_bytes(out)
@@ -173,16 +190,20 @@ def main() -> None:
 
     print(f"\n{args.rows} ShareGPT conversations, {tokens:,} tokens (<= {args.max_tokens} each), SmolLM2-135M bf16, "
           f"taps {layers} + post-norm final, {psutil.cpu_count()} CPUs; median of {args.repeats} interleaved runs\n")
-    print("| | capture | Model-Optimizer | capture / peer |")
-    print("|---|---|---|---|")
+    print("| | capture | capture on Ray | Model-Optimizer | capture / peer | on Ray / peer |")
+    print("|---|---|---|---|---|---|")
     rows = [("tokens/s (wall, start-up included)", lambda n: tokens / med(n, "wall"), "{:,.1f}"),
             ("tokens per CPU-second, whole process tree", lambda n: tokens / med(n, "cpu"), "{:,.1f}"),
             ("bytes on disk per token", lambda n: med(n, "bytes") / tokens, "{:,.0f}"),
             ("peak memory, whole process tree (PSS, MiB)", lambda n: med(n, "pss") / 2**20, "{:,.0f}"),
             ("processes at most", lambda n: med(n, "procs"), "{:.0f}")]
     for label, f, fmt in rows:
-        a, b = f("capture"), f("Model-Optimizer")
-        print(f"| {label} | {fmt.format(a)} | {fmt.format(b)} | {a / b:.2f}x |")
+        a, r, b = f("capture"), f("capture on Ray"), f("Model-Optimizer")
+        print(f"| {label} | {fmt.format(a)} | {fmt.format(r)} | {fmt.format(b)} | {a / b:.2f}x | {r / b:.2f}x |")
+    for name, _ in contenders:
+        r = results[name][-1]
+        print(f"\n{name}, PSS of each process at its tree's peak (last run): "
+              + ", ".join(f"{n} {b / 2**20:,.0f} MiB" for n, b in r["at_peak"]))
     agree = compare(results["Model-Optimizer"][0]["out"], results["capture"][0]["out"])
     print(f"\nstates, capture vs Model-Optimizer: {agree['input_ids_equal']} of {agree['rows']} rows with equal input ids")
     for k in (*LAYERS, "final"):

@@ -75,6 +75,9 @@ class RunConfig:
     replicas: int = 1
     cpus_per_replica: int | None = None  # None: all CPUs Ray sees, split over replicas
     ray_address: str | None = None  # None: start a local Ray instance
+    # where replicas run: ray (actors, each its own process), local (one replica in the driver's process:
+    # no Ray daemons), auto (local for one hf replica without ray_address/unit_timeout; capture.driver.executor_of)
+    executor: Literal["auto", "ray", "local"] = "auto"
     unit_timeout: float | None = None  # seconds a work unit may run before its replica counts as hung
     max_unit_attempts: int = 3  # failures of a unit before it is split (one record: quarantined)
     engine: str = "auto"  # hf | vllm | exl3 | auto (vllm when installed and a GPU is visible, else hf)
@@ -102,6 +105,7 @@ _CHOICES = {
     "regenerate_policy": ("last", "every"),
     "vllm_path": ("auto", "extract", "hooks"),
     "compute_dtype": ("auto", "float32", "bfloat16", "float16"),
+    "executor": ("auto", "ray", "local"),
 }
 _INTS = {  # field: smallest allowed value (None allowed where the default is None)
     "limit": 0, "skip": 0, "shard_size": 1, "batch_tokens": 1, "unit_tokens": 1, "first_unit_tokens": 1, "replicas": 1, "cpus_per_replica": 1,
@@ -154,6 +158,13 @@ def _validate(cfg: "RunConfig") -> None:
     if not all(_is_int(n) and n >= 0 for _, n in cfg.source_caps):
         bad("source_caps", cfg.source_caps, "SOURCE=N with N >= 0")
     _validate_responses(cfg, bad)
+    if cfg.executor == "local":
+        for name, value, why in (("replicas", cfg.replicas if cfg.replicas > 1 else None, "runs one replica"),
+                                 ("ray_address", cfg.ray_address, "starts no Ray"),
+                                 ("unit_timeout", cfg.unit_timeout, "cannot stop a running unit")):
+            if value is not None:
+                raise CaptureError(f"--{name.replace('_', '-')} {value} needs --executor ray "
+                                   f"(--executor local {why})")
 
 
 # keyword arguments of apply_chat_template itself, which --chat-template-kwarg may not set

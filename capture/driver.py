@@ -1,6 +1,7 @@
 """The driver: dataset rows → conversations → tokens + loss mask → filters → work units → replicas.
 
-Replicas are Ray actors (a local ``ray.init()`` unless ``ray_address`` is given); the driver streams the
+Replicas are Ray actors (a local ``ray.init()`` unless ``ray_address`` is given), or, for one HF replica
+on this machine, an object in the driver's own process (:func:`executor_of`); the driver streams the
 dataset (never holding it), tokenizes and filters in order, hands work units of ~``unit_tokens`` tokens
 to a :class:`capture.pool.ReplicaPool` (two units queued per replica; a replica that dies or hangs is
 replaced and its uncommitted records handed out again), and commits every shard a replica
@@ -35,9 +36,9 @@ from capture.config import RunConfig
 from capture.engines import NAMES, EngineSpec, engine_class, engine_spec, resolve_engine, vllm_engine_args
 from capture.data import DatasetRef, ReadStats, iter_conversations, resolve_dataset
 from capture.errors import CaptureError
-from capture.pool import ReplicaPool
+from capture.pool import LocalActor, LocalCalls, RayCalls, ReplicaPool
 from capture.regenerate import responses_header
-from capture.progress import Progress, Timings, feed
+from capture.progress import LocalFeed, Progress, Timings, feed
 from capture.targets import Taps, Target, make_taps, model_dir, resolve_target
 from filters import apply_filters, filter_prompt
 import provenance
@@ -79,6 +80,7 @@ class Summary:
     replicas: list = dataclasses.field(default_factory=list)  # per replica: units, rows, tokens, busy s, restarts
     timings: dict = dataclasses.field(default_factory=dict)  # seconds: capture.progress.Timings
     quarantined: dict = dataclasses.field(default_factory=dict)  # sample_id → reason (failed every attempt)
+    executor: str = ""  # where the replicas ran: "ray" (actors) or "local" (the driver's process)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -302,8 +304,25 @@ def run(cfg: RunConfig) -> Summary:
         progress.close()
 
 
+def executor_of(cfg: RunConfig, engine: EngineSpec) -> str:
+    """``cfg.executor``, with ``auto`` resolved: ``local`` (the replica in the driver's process: no Ray
+    daemons, one process; bench/peer_modelopt.out) for one HF replica with no Ray address and no unit
+    timeout, else ``ray``. vLLM and EXL3 replicas always run as Ray actors under ``auto`` (a replica that
+    owns GPUs or its own engine processes is worth isolating)."""
+    if cfg.executor != "auto":
+        return cfg.executor
+    alone = cfg.replicas == 1 and cfg.ray_address is None and cfg.unit_timeout is None
+    return "local" if alone and engine.name == "hf" else "ray"
+
+
 def _run_locked(cfg: RunConfig, prep: Prepared, started: float, loc: Location, progress: Progress,
                 timings: Timings) -> Summary:
+    if executor_of(cfg, prep.engine) == "local":
+        progress.feed = LocalFeed()
+        try:
+            return _run_replicas(cfg, prep, started, loc, progress, timings, "local")
+        finally:
+            progress.close()
     import ray
 
     we_started_ray = not ray.is_initialized()
@@ -314,21 +333,24 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float, loc: Location, p
                  include_dashboard=False, logging_level=logging.ERROR, log_to_driver=True)
     try:
         progress.feed = feed()
-        return _run_on_ray(cfg, prep, started, loc, progress, timings)
+        return _run_replicas(cfg, prep, started, loc, progress, timings, "ray")
     finally:
         progress.close()  # the feed's actor goes before Ray does
         if we_started_ray:
             ray.shutdown()
 
 
-def _run_on_ray(cfg: RunConfig, prep: Prepared, started: float, loc: Location, progress: Progress,
-                timings: Timings) -> Summary:
-    import ray
+def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location, progress: Progress,
+                  timings: Timings, executor: str) -> Summary:
+    if executor == "ray":
+        import ray
 
-    total_cpus = int(ray.cluster_resources().get("CPU", 0))
+        total_cpus, where = int(ray.cluster_resources().get("CPU", 0)), "Ray has"
+    else:
+        total_cpus, where = len(os.sched_getaffinity(0)), "this process may use"
     cpus = cfg.cpus_per_replica or max(1, total_cpus // cfg.replicas)
     if cpus * cfg.replicas > total_cpus:  # before anything is written
-        raise CaptureError(f"{cfg.replicas} replica(s) x {cpus} CPU(s) do not fit the {total_cpus} CPU(s) Ray has; "
+        raise CaptureError(f"{cfg.replicas} replica(s) x {cpus} CPU(s) do not fit the {total_cpus} CPU(s) {where}; "
                            "lower --replicas or --cpus-per-replica")
     try:
         writer, manifest = manifest_mod.ManifestWriter.open(loc, prep.header)
@@ -348,21 +370,30 @@ def _run_on_ray(cfg: RunConfig, prep: Prepared, started: float, loc: Location, p
                                   started=started)
     except OSError as e:
         raise CaptureError(f"cannot write {provenance.PROVENANCE} in {cfg.out}: {e.strerror or e}") from None
-    summary = Summary(out=cfg.out)
+    summary = Summary(out=cfg.out, executor=executor)
     seen = manifest.token_hashes() if cfg.filters.dedup else set()
     per_token = bytes_per_token(prep.header)
 
-    # a GPU engine's replica on a GPU cluster holds its TP group's GPUs (Ray sets CUDA_VISIBLE_DEVICES for it)
-    gpus = cfg.tp if prep.engine.capabilities.gpus_per_tp_rank and ray.cluster_resources().get("GPU", 0) else 0
-    actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus)(_replica_class())
-    out = loc.absolute()  # a replica is another process, maybe in another folder
+    from capture.replica import Replica
 
-    def make_actor():
-        return actor_cls.remote(prep.model_dir, prep.taps, prep.header, out,
-                                shard_size=cfg.shard_size, batch_tokens=cfg.batch_tokens, threads=cpus,
-                                commit_seconds=cfg.commit_every,
-                                codec_threads=cfg.codec_threads, engine=prep.engine, filters=cfg.filters,
-                                feed=progress.feed)
+    out = loc.absolute()  # a Ray replica is another process, maybe in another folder
+    args = (prep.model_dir, prep.taps, prep.header, out)
+    kwargs = dict(shard_size=cfg.shard_size, batch_tokens=cfg.batch_tokens, threads=cpus,
+                  commit_seconds=cfg.commit_every, codec_threads=cfg.codec_threads, engine=prep.engine,
+                  filters=cfg.filters, feed=progress.feed)
+    if executor == "ray":
+        # a GPU engine's replica on a GPU cluster holds its TP group's GPUs (Ray sets CUDA_VISIBLE_DEVICES for it)
+        gpus = cfg.tp if prep.engine.capabilities.gpus_per_tp_rank and ray.cluster_resources().get("GPU", 0) else 0
+        actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus)(Replica)
+        calls = RayCalls()
+
+        def make_actor():
+            return actor_cls.remote(*args, **kwargs)
+    else:
+        calls = LocalCalls()
+
+        def make_actor():
+            return LocalActor(Replica(*args, **kwargs))
 
     rejected: collections.Counter = collections.Counter()
     prefilled = [0]  # rows through the engine (committed once their shard closes)
@@ -390,7 +421,7 @@ def _run_on_ray(cfg: RunConfig, prep: Prepared, started: float, loc: Location, p
     pool = None
     ray_up = time.time()
     try:
-        pool = ReplicaPool(make_actor, cfg.replicas, commit=commit, on_result=on_result,
+        pool = ReplicaPool(make_actor, cfg.replicas, commit=commit, on_result=on_result, calls=calls,
                            unit_timeout=cfg.unit_timeout, max_attempts=cfg.max_unit_attempts, on_tick=progress.tick)
         records = _records(cfg, prep, summary, manifest.sample_ids(), seen)
         for unit in _units(records, cfg.unit_tokens, cfg.replicas, cfg.first_unit_tokens):
@@ -484,8 +515,3 @@ def _filter_settings(cfg: RunConfig) -> dict:
             "exclude_sources": list(cfg.exclude_sources), "source_caps": dict(cfg.source_caps),
             "alternation": cfg.alternation, "special_text": cfg.special_text, "system_prompt": cfg.system_prompt}
 
-
-def _replica_class():
-    from capture.replica import Replica
-
-    return Replica

@@ -1,4 +1,5 @@
-"""Replicas as Ray actors: work units handed out with backpressure, retried when a replica dies or hangs.
+"""Engine replicas (Ray actors, or one in this process): work units handed out with backpressure, retried
+when a replica fails.
 
 The driver (:mod:`capture.driver`) streams work units into :meth:`ReplicaPool.submit`; the pool keeps
 ``in_flight`` units queued on each replica (an actor runs its calls in order, so the next unit is already
@@ -16,10 +17,17 @@ earliest unit queued on the replica: Ray runs an actor's calls in submission ord
 at fault. A unit that failed ``max_attempts`` times is split in halves and retried; a single record that
 failed ``max_attempts`` times is quarantined with its reason (not written; the run goes on; a rerun
 tries it again). Fatal errors are raised, not retried: CaptureError, and OSError ENOSPC (a full disk).
+
+The pool reaches its replicas through a small calls interface: :class:`RayCalls` (Ray actors, each its
+own process; the default) or :class:`LocalCalls` (one replica in the driver's process, on a worker
+thread: no Ray daemons, no second copy of the process). In-process, a unit that raises is handled as
+above (the replica is dropped and a fresh one takes its records), but a hung unit cannot be killed (no
+``unit_timeout``) and a crash of the engine ends the run, which a rerun resumes.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import errno
 import logging
@@ -57,6 +65,77 @@ class ReplicaStats:
     failures: dict = dataclasses.field(default_factory=dict)  # reason → count
 
 
+class ReplicaFailed(Exception):
+    """A replica call failed. ``cause``: the exception the replica raised (None: its process died);
+    ``original``: what to re-raise for an error that is not retried (Ray's error carries the remote
+    traceback); ``reason``: one line for the summary."""
+
+    def __init__(self, reason: str, cause: BaseException | None, original: BaseException):
+        super().__init__(reason)
+        self.reason, self.cause, self.original = reason, cause, original
+
+
+class RayCalls:
+    """Replica calls through Ray actor handles (``make_actor`` returns ``ray.remote(...)(cls).remote(...)``)."""
+
+    def __init__(self):
+        import ray
+
+        self._ray = ray
+
+    def call(self, actor, method: str, *args):
+        return getattr(actor, method).remote(*args)
+
+    def wait(self, handles: list, timeout: float | None) -> list:
+        return self._ray.wait(handles, num_returns=1, timeout=timeout)[0]
+
+    def get(self, handle):
+        """The call's result; raises ReplicaFailed."""
+        ray = self._ray
+        try:
+            return ray.get(handle)
+        except ray.exceptions.RayTaskError as e:
+            raise ReplicaFailed(_reason(e.cause) if e.cause is not None else type(e).__name__, e.cause, e) from None
+        except ray.exceptions.RayActorError as e:
+            raise ReplicaFailed("replica process died", None, e) from None
+
+    def kill(self, actor) -> None:
+        self._ray.kill(actor, no_restart=True)
+
+
+@dataclasses.dataclass
+class LocalActor:
+    """A replica object in this process and the one thread its calls run on, in submission order."""
+
+    replica: object
+    thread: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="replica"))
+
+
+class LocalCalls:
+    """Replica calls in the driver's process (``make_actor`` returns a :class:`LocalActor`). ``kill``
+    drops the replica: its open shard is never committed (removed at the end of the run, as for a killed
+    Ray actor); a call already running cannot be stopped, so the pool refuses a ``unit_timeout``."""
+
+    def call(self, actor: LocalActor, method: str, *args) -> concurrent.futures.Future:
+        return actor.thread.submit(getattr(actor.replica, method), *args)
+
+    def wait(self, handles: list, timeout: float | None) -> list:
+        done, _ = concurrent.futures.wait(handles, timeout, concurrent.futures.FIRST_COMPLETED)
+        return [h for h in handles if h in done]
+
+    def get(self, handle: concurrent.futures.Future):
+        """The call's result; raises ReplicaFailed."""
+        try:
+            return handle.result()
+        except Exception as e:  # noqa: BLE001 - handed to the pool, which retries or re-raises it
+            raise ReplicaFailed(_reason(e), e, e) from None
+
+    def kill(self, actor: LocalActor) -> None:
+        actor.thread.shutdown(wait=False, cancel_futures=True)
+        actor.replica = None
+
+
 @dataclasses.dataclass
 class _Slot:
     actor: object
@@ -76,10 +155,11 @@ class ReplicaPool:
     def __init__(self, make_actor: Callable[[], object], replicas: int, *, commit: Callable[[Sequence], None],
                  on_result: Callable[[object], None], in_flight: int = 2, unit_timeout: float | None = None,
                  max_attempts: int = 3, on_tick: Callable[[str | None], None] = lambda status: None,
-                 tick_s: float = 0.5):
-        import ray
-
-        self._ray = ray
+                 tick_s: float = 0.5, calls: RayCalls | LocalCalls | None = None):
+        self.calls = calls or RayCalls()
+        if unit_timeout is not None and isinstance(self.calls, LocalCalls):
+            raise CaptureError("--unit-timeout needs replicas in processes of their own (--executor ray): "
+                               "an in-process unit cannot be stopped")
         self.make_actor, self.commit, self.on_result = make_actor, commit, on_result
         self.in_flight, self.unit_timeout, self.max_attempts = in_flight, unit_timeout, max_attempts
         self.on_tick, self.tick_s = on_tick, tick_s
@@ -93,17 +173,18 @@ class ReplicaPool:
     def _start(self, actors: list) -> None:
         """Wait for ``actors`` to load their engines, ticking meanwhile."""
         t0 = time.monotonic()
-        pending = [a.start.remote() for a in actors]
+        pending = [self.calls.call(a, "start") for a in actors]
         n = len(pending)
         try:
             while pending:
                 self.on_tick(f"loading the engine on {n} replica(s), {n - len(pending)} ready")
-                ready, pending = self._ray.wait(pending, num_returns=1, timeout=self.tick_s)
-                self._ray.get(ready)
-        except self._ray.exceptions.RayTaskError as e:
+                for ref in self.calls.wait(pending, self.tick_s):
+                    pending.remove(ref)
+                    self.calls.get(ref)
+        except ReplicaFailed as e:
             if isinstance(e.cause, CaptureError):  # e.g. an engine argument vLLM refuses: one line, exit 2
                 raise e.cause from None
-            raise
+            raise e.original from None
         finally:
             self.start_seconds += time.monotonic() - t0
         self.on_tick("capturing")
@@ -136,11 +217,11 @@ class ReplicaPool:
             failed = False
             for i, slot in enumerate(self.slots):
                 try:
-                    infos = self._ray.get(slot.actor.finish.remote())
-                except (self._ray.exceptions.RayActorError, self._ray.exceptions.RayTaskError) as e:
-                    if _fatal(getattr(e, "cause", None)):
+                    infos = self.calls.get(self.calls.call(slot.actor, "finish"))
+                except ReplicaFailed as e:
+                    if _fatal(e.cause):
                         raise e.cause from None
-                    self._fail(i, _reason(e), charge=False)
+                    self._fail(i, e.reason, charge=False)
                     failed = True
                     continue
                 self._committed(slot, infos)
@@ -155,7 +236,7 @@ class ReplicaPool:
         slot = self.slots[i]
         if not slot.queue:
             slot.started = time.monotonic()
-        slot.queue.append((slot.actor.process.remote(unit.records), unit))
+        slot.queue.append((self.calls.call(slot.actor, "process", unit.records), unit))
         slot.uncommitted.update((r.sample_id, r) for r in unit.records)
 
     def _wait(self) -> None:
@@ -167,7 +248,7 @@ class ReplicaPool:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = self.tick_s if deadline is None else min(self.tick_s, max(0.0, deadline - time.monotonic()))
-            ready, _ = self._ray.wait(list(heads), num_returns=1, timeout=left)
+            ready = self.calls.wait(list(heads), left)
             if ready or (deadline is not None and time.monotonic() >= deadline):
                 break
             self.on_tick(None)
@@ -180,16 +261,12 @@ class ReplicaPool:
         ref, unit = slot.queue.pop(0)
         stats = self.stats[i]
         try:
-            result = self._ray.get(ref)
-        except self._ray.exceptions.RayTaskError as e:
+            result = self.calls.get(ref)
+        except ReplicaFailed as e:
             if _fatal(e.cause):
                 raise e.cause from None
             slot.queue.insert(0, (ref, unit))
-            self._fail(i, _reason(e), charge=True)
-            return
-        except self._ray.exceptions.RayActorError as e:
-            slot.queue.insert(0, (ref, unit))
-            self._fail(i, _reason(e), charge=True)
+            self._fail(i, e.reason, charge=True)
             return
         now = time.monotonic()
         stats.units += 1
@@ -218,7 +295,7 @@ class ReplicaPool:
         stats.failures[reason] = stats.failures.get(reason, 0) + 1
         log.warning("replica %d failed (%s); replacing it and retrying its %d uncommitted record(s)",
                     i, reason, len(slot.uncommitted))
-        self._ray.kill(slot.actor, no_restart=True)
+        self.calls.kill(slot.actor)
         queued = [u for _, u in slot.queue]
         requeue: list[Unit] = []
         if charge and queued:
@@ -253,13 +330,7 @@ def _fatal(cause: BaseException | None) -> bool:
     return isinstance(cause, CaptureError) or (isinstance(cause, OSError) and cause.errno == errno.ENOSPC)
 
 
-def _reason(e: BaseException) -> str:
-    """One line naming what failed: the replica's exception type and message, or the actor's death."""
-    import ray
-
-    if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None:
-        text = " ".join(str(e.cause).split())[:200]
-        return f"{type(e.cause).__name__}: {text}" if text else type(e.cause).__name__
-    if isinstance(e, ray.exceptions.RayActorError):
-        return "replica process died"
-    return type(e).__name__
+def _reason(cause: BaseException) -> str:
+    """One line naming what a replica raised: the exception's type and message."""
+    text = " ".join(str(cause).split())[:200]
+    return f"{type(cause).__name__}: {text}" if text else type(cause).__name__

@@ -5,8 +5,8 @@ One tqdm bar for the whole run, in tokens through the engine. Its description na
 replica(s), k ready``; ``capturing``), and the driver refreshes it at least every :data:`REFRESH_S`
 seconds while it waits (:data:`LOG_S` into a log file), so the elapsed time moves during a model load and before the first unit ends.
 Tokens arrive per forward batch, not per work unit: each replica puts the batch's token count on a
-:class:`Feed` (a ``ray.util.queue.Queue``: a small actor that reserves no CPU) and the driver drains it on
-every refresh. The postfix counts rows through the engine, rows committed, MiB committed and an ETA.
+feed (:func:`feed`, a ``ray.util.queue.Queue``: a small actor that reserves no CPU; :class:`LocalFeed` for a
+replica in the driver's process) and the driver drains it on every refresh. The postfix counts rows through the engine, rows committed, MiB committed and an ETA.
 The bar first draws :data:`DELAY_S` seconds into the run (tqdm's ``delay``), so a user error found
 while preparing prints as its one line alone.
 
@@ -20,6 +20,7 @@ shards in each replica's writer thread, beside the engine; summed over replicas)
 from __future__ import annotations
 
 import dataclasses
+import queue
 import sys
 from typing import IO
 
@@ -48,6 +49,17 @@ def feed():
     from ray.util.queue import Queue
 
     return Queue(actor_options={"num_cpus": 0})
+
+
+class LocalFeed(queue.SimpleQueue):
+    """The feed of a replica in the driver's own process: the calls of Ray's queue that the replica and
+    :class:`Progress` use, without an actor."""
+
+    def get_nowait_batch(self, n: int) -> list:
+        return [self.get_nowait() for _ in range(n)]
+
+    def shutdown(self) -> None:
+        pass
 
 
 class Progress:

@@ -135,6 +135,9 @@ def test_second_writer_on_the_same_run_is_refused(tmp_path):
         ('dedup: "no"', "dedup: 'no' is not true or false"),
         ("shard_size: -5", "shard-size: -5 is not an integer >= 1"),
         ("special_text: bogus", "special-text: 'bogus' is not one of drop, keep"),
+        ("executor: threads", "executor: 'threads' is not one of auto, ray, local"),
+        ("executor: local\nreplicas: 2", "--replicas 2 needs --executor ray (--executor local runs one replica)"),
+        ("executor: local\nunit_timeout: 60", "--unit-timeout 60 needs --executor ray"),
     ],
 )
 def test_config_values_of_the_wrong_type(tmp_path, yaml_line, message):

@@ -1,6 +1,6 @@
-"""capture.pool.ReplicaPool with real Ray actors whose behaviour a test controls: a unit that raises every
-time (split, then its one bad record quarantined), a replica that hangs (killed at the unit timeout and
-replaced), exactly-once commits throughout. A slow replica shows the live display moving before its first unit completes. The real engine replica is
+"""capture.pool.ReplicaPool with real Ray actors (and in-process replicas) whose behaviour a test controls:
+a unit that raises every time (split, then its one bad record quarantined; both executors), a replica that
+hangs (Ray: killed at the unit timeout and replaced), exactly-once commits throughout. A slow replica shows the live display moving before its first unit completes. The real engine replica is
 exercised by tests/test_scale.py."""
 
 import dataclasses
@@ -14,7 +14,8 @@ import pytest
 import ray
 import ray.cloudpickle
 
-from capture.pool import ReplicaPool
+from capture.errors import CaptureError
+from capture.pool import LocalActor, LocalCalls, ReplicaPool
 from capture.progress import Progress, feed
 from capture.replica import UnitResult
 from shards.writer import ShardInfo
@@ -61,12 +62,16 @@ def local_ray():
     ray.shutdown()
 
 
-def run_pool(tmp_path, units, *, poison=(), hang=(), timeout=None, attempts=2):
-    actor = ray.remote(num_cpus=0)(ScriptedReplica)
+def run_pool(tmp_path, units, *, poison=(), hang=(), timeout=None, attempts=2, local=False):
+    """Two Ray replicas, or (``local``) one replica in this process."""
     committed = []
-    pool = ReplicaPool(lambda: actor.remote(set(poison), set(hang), str(tmp_path)), 2,
-                       commit=lambda infos: committed.extend(s for i in infos for s in i.sample_ids),
-                       on_result=lambda r: None, unit_timeout=timeout, max_attempts=attempts)
+    if local:
+        make, replicas, calls = lambda: LocalActor(ScriptedReplica(set(poison), set(hang), str(tmp_path))), 1, LocalCalls()
+    else:
+        actor = ray.remote(num_cpus=0)(ScriptedReplica)
+        make, replicas, calls = lambda: actor.remote(set(poison), set(hang), str(tmp_path)), 2, None
+    pool = ReplicaPool(make, replicas, commit=lambda infos: committed.extend(s for i in infos for s in i.sample_ids),
+                       on_result=lambda r: None, unit_timeout=timeout, max_attempts=attempts, calls=calls)
     for unit in units:
         pool.submit(unit)
     pool.finish()
@@ -77,9 +82,10 @@ def units_of(n_units: int, size: int) -> list[list[Rec]]:
     return [[Rec(f"s{u}-{i}") for i in range(size)] for u in range(n_units)]
 
 
-def test_failing_unit_is_split_and_its_bad_record_quarantined(local_ray, tmp_path):
+@pytest.mark.parametrize("local", [False, True], ids=["ray", "local"])
+def test_failing_unit_is_split_and_its_bad_record_quarantined(local_ray, tmp_path, local):
     units = units_of(6, 4)
-    pool, committed = run_pool(tmp_path, units, poison={"s2-1"}, attempts=2)
+    pool, committed = run_pool(tmp_path, units, poison={"s2-1"}, attempts=2, local=local)
     everyone = [r.sample_id for u in units for r in u]
     assert sorted(committed) == sorted(s for s in everyone if s != "s2-1")  # every other record exactly once
     assert list(pool.quarantined) == ["s2-1"]
@@ -87,6 +93,12 @@ def test_failing_unit_is_split_and_its_bad_record_quarantined(local_ray, tmp_pat
     # 2 attempts of the 4-record unit, then of its half [s2-0, s2-1], then of [s2-1] alone
     failures = sum(sum(s.failures.values()) for s in pool.stats)
     assert failures == 6 and sum(s.restarts for s in pool.stats) == 6
+
+
+def test_in_process_replica_refuses_a_unit_timeout(tmp_path):
+    """A running in-process unit cannot be stopped: --unit-timeout is refused, not silently ignored."""
+    with pytest.raises(CaptureError, match="--unit-timeout needs replicas in processes of their own"):
+        run_pool(tmp_path, units_of(1, 2), timeout=3, local=True)
 
 
 def test_hung_replica_is_replaced_at_the_timeout(local_ray, tmp_path):

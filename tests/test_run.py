@@ -31,6 +31,7 @@ def test_run_matches_reference_resumes_and_extends(tmp_path, smol_dir):
             "--limit", "10", "--shard-size", "128KiB", "--batch-tokens", "1", "--dtype", "bfloat16", "--json", *SMALL]
     s = summary_of(capture_cli(*args, check=True))
     assert s["rows_read"] == 10
+    assert s["executor"] == "local"  # auto: one hf replica runs in the driver's process, no Ray
     assert s["kept"] + sum(s["skipped"].values()) == 10
     assert s["committed_rows"] == s["kept"] == s["total_rows"] > 0
     assert capture_cli("shards", "verify", str(out)).returncode == 0
@@ -74,6 +75,18 @@ def test_run_matches_reference_resumes_and_extends(tmp_path, smol_dir):
     other = capture_cli("run", "--out", str(out), "--layers", "3,15", "--limit", "2", *SMALL)
     assert other.returncode == 2
     assert "different taps" in other.stderr and "Traceback" not in other.stderr
+
+
+def test_ray_and_in_process_replicas_write_identical_shards(tmp_path):
+    """--executor ray (a Ray actor) and local (the driver's process) commit byte-identical shards."""
+    runs = {}
+    for executor in ("ray", "local"):
+        out = tmp_path / executor
+        s = summary_of(capture_cli("run", "--out", str(out), "--limit", "5", "--executor", executor, "--json", *SMALL,
+                                   check=True))
+        assert s["executor"] == executor and s["committed_rows"] > 0
+        runs[executor] = [(sh["sample_ids"], sh["rows"], sh["sha256"]) for sh in manifest.read(out).shards]
+    assert runs["ray"] == runs["local"] and runs["local"]
 
 
 def test_sigkill_mid_run_then_rerun_is_exactly_once(tmp_path):
