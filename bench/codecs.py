@@ -109,7 +109,57 @@ def main() -> None:
     print()
     print(f"order-0 floor with per-channel statistics (high byte {entropy / channels:.2f} bits, low byte "
           f"stored raw): {floor:.3f}x")
+    cell_checks(states, args.passes)
+    zstd_contexts(states, args.passes)
     lossless_stretch(states, raw)
+
+
+def cell_checks(states: list, passes: int) -> None:
+    """Format 1.3's CRC-32 (zlib) against 1.4's XXH3-64 over the bf16-split cells: GB/s of cell."""
+    import zlib
+
+    import xxhash
+
+    from shards import codecs
+
+    cells = [codecs.encode("bf16-split", x, check="xxh3_64") for x in states]
+    cell_bytes = sum(len(c) for c in cells)
+    speeds = {}
+    for name, fn in (("crc32 (zlib, format 1.3)", zlib.crc32), ("xxh3_64 (xxhash, format 1.4)", xxhash.xxh3_64_intdigest)):
+        runs = []
+        for _ in range(passes):
+            t = time.perf_counter()
+            for c in cells:
+                fn(c)
+            runs.append(time.perf_counter() - t)
+        speeds[name] = cell_bytes / 1e9 / statistics.median(runs)
+    print("\ncell checks over the bf16-split cells (GB/s of cell, one thread): "
+          + ", ".join(f"{k} {v:,.1f}" for k, v in speeds.items()))
+
+
+def zstd_contexts(states: list, passes: int) -> None:
+    """The zstd frames of the bf16-split cells decompressed with a fresh ZstdDecompressor per cell (the
+    codecs before 2026-12-03) and with one reused per thread (shards.codecs.decompressor): MB/s of bf16."""
+    import zstandard
+
+    from shards import codecs
+
+    frames = []
+    for x in states:
+        cell = codecs.encode("bf16-split", x)
+        frames.append((memoryview(cell)[: len(cell) - x.numel()], x.numel()))
+    raw = sum(2 * n for _, n in frames)
+    speeds = {}
+    for name, get in (("a fresh context per cell", zstandard.ZstdDecompressor), ("one per thread", codecs.decompressor)):
+        runs = []
+        for _ in range(passes):
+            t = time.perf_counter()
+            for frame, n in frames:
+                get().decompress(frame, max_output_size=n)
+            runs.append(time.perf_counter() - t)
+        speeds[name] = raw / 1e6 / statistics.median(runs)
+    print("zstd part of a bf16-split decode (MB/s of bf16, one thread): "
+          + ", ".join(f"{k} {v:,.0f}" for k, v in speeds.items()))
 
 
 def lossless_stretch(states: list, raw: int) -> None:

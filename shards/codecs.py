@@ -24,9 +24,9 @@ int4-b32      no        the same with integer codes in [-7, 7], one a byte: zstd
 ============  ========  =====================================================================  ======
 
 Cells end with a checksum of their bytes (:data:`CHECKS`; :func:`encode` ``check=``, recorded in the
-schema's state fields as ``check``): XXH3-64 since format 1.4, CRC-32 in format 1.3 (zlib's CRC-32 ran at
-~1.4 GB/s of cell here and capped a ``bf16-split`` decode near 1 GB/s of bf16; XXH3 runs at tens of
-GB/s). A damaged byte anywhere in a cell, also where no zstd frame covers it (``bf16-split``'s low
+schema's state fields as ``check``): XXH3-64 since format 1.4, CRC-32 in format 1.3 (zlib's CRC-32 checks
+2.5-2.9 GB/s of cell here, ~25% on top of a ``bf16-split`` decode; XXH3-64 15-21 GB/s, ~4%:
+bench/codecs.out). A damaged byte anywhere in a cell, also where no zstd frame covers it (``bf16-split``'s low
 bytes, fp8's scales), is then an error, not other states.
 
 Why split bytes: a bf16 value's high byte (sign + 7 exponent bits) has ~2.7 bits of entropy per
@@ -40,6 +40,7 @@ decode (the transpose), and a trainer decodes every epoch: token-major it is (be
 from __future__ import annotations
 
 import dataclasses
+import threading
 import zlib
 from typing import Callable
 
@@ -53,6 +54,26 @@ from capture.errors import CaptureError
 DEFAULT = "bf16-split"
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 ZSTD_LEVEL = 1  # measured on 30k tokens of these planes: level 1 keeps 0.683x, level 3 0.704x, and is ~2x faster
+
+
+_CONTEXTS = threading.local()  # zstd contexts are not thread-safe: one set per thread, reused across cells
+
+
+def decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's zstd decompression context, reused across cells: the zstd part of a ``bf16-split``
+    decode ran 1,913 MB/s of bf16 with it and 1,645 with a fresh context per cell (bench/codecs.out)."""
+    if not hasattr(_CONTEXTS, "decompressor"):
+        _CONTEXTS.decompressor = zstandard.ZstdDecompressor()
+    return _CONTEXTS.decompressor
+
+
+def compressor(level: int = ZSTD_LEVEL) -> zstandard.ZstdCompressor:
+    """This thread's zstd compression context at ``level`` (frames carry zstd's own checksum)."""
+    if not hasattr(_CONTEXTS, "compressors"):
+        _CONTEXTS.compressors = {}
+    if level not in _CONTEXTS.compressors:
+        _CONTEXTS.compressors[level] = zstandard.ZstdCompressor(level=level, write_checksum=True)
+    return _CONTEXTS.compressors[level]
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -72,7 +93,7 @@ def _encode_bf16(states: torch.Tensor, zc: zstandard.ZstdCompressor) -> bytes:
 
 def _decode_bf16(cell, tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
     n = tokens * hidden
-    bits = np.frombuffer(zstandard.ZstdDecompressor().decompress(cell, max_output_size=2 * n), dtype=np.uint16).copy()
+    bits = np.frombuffer(decompressor().decompress(cell, max_output_size=2 * n), dtype=np.uint16).copy()
     return _from_bits(bits, tokens, hidden, dtype)
 
 
@@ -84,7 +105,7 @@ def _encode_split(states: torch.Tensor, zc: zstandard.ZstdCompressor) -> bytes:
 def _decode_split(cell, tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
     n = tokens * hidden
     buf = memoryview(cell)
-    high = np.frombuffer(zstandard.ZstdDecompressor().decompress(buf[: len(buf) - n], max_output_size=n), dtype=np.uint8)
+    high = np.frombuffer(decompressor().decompress(buf[: len(buf) - n], max_output_size=n), dtype=np.uint8)
     low = np.frombuffer(buf[len(buf) - n :], dtype=np.uint8)
     if high.size != n or low.size != n:
         raise ValueError(f"bf16-split cell holds {high.size}+{low.size} bytes, expected {n}+{n}")
@@ -106,7 +127,7 @@ def _decode_fp8(cell, tokens: int, hidden: int, dtype: torch.dtype) -> torch.Ten
     n = tokens * hidden
     buf = memoryview(cell)
     scale = torch.from_numpy(np.frombuffer(buf[: 4 * tokens], dtype="<f4").copy())
-    q = np.frombuffer(zstandard.ZstdDecompressor().decompress(buf[4 * tokens :], max_output_size=n), dtype=np.uint8)
+    q = np.frombuffer(decompressor().decompress(buf[4 * tokens :], max_output_size=n), dtype=np.uint8)
     if q.size != n:
         raise ValueError(f"fp8-e4m3 cell holds {q.size} values, expected {n}")
     x = torch.from_numpy(q.copy()).view(torch.float8_e4m3fn).float().view(tokens, hidden) * scale[:, None]
@@ -222,7 +243,7 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 def _decompress(buf, size: int) -> bytes:
-    return zstandard.ZstdDecompressor().decompress(buf, max_output_size=size)
+    return decompressor().decompress(buf, max_output_size=size)
 
 
 # ------------------------------------------------------------------ stated error bounds (tested on real states)
@@ -310,7 +331,7 @@ def encode(codec: str, states: torch.Tensor, level: int = ZSTD_LEVEL, check: str
     check."""
     if codec not in REGISTRY:
         raise ValueError(f"unknown codec {codec!r}")
-    cell = REGISTRY[codec].encode(states, zstandard.ZstdCompressor(level=level, write_checksum=True))
+    cell = REGISTRY[codec].encode(states, compressor(level))
     if check is None:
         return cell
     size, digest = _check(check)

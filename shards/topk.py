@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import zstandard
+from shards import codecs
 
 IDS = "topk_ids"
 LOGPROBS = "topk_logprobs"
@@ -57,7 +57,7 @@ def _planes(u: np.ndarray) -> bytes:
 
 
 def _unplanes(cell, tokens: int | None, k: int, column: str) -> np.ndarray:
-    raw = zstandard.ZstdDecompressor().decompress(cell)
+    raw = codecs.decompressor().decompress(cell)
     n = len(raw) // 4
     if len(raw) % (4 * k) or (tokens is not None and n != tokens * k):
         want = f"{tokens} x {k}" if tokens is not None else f"a multiple of {k}"
@@ -68,7 +68,7 @@ def _unplanes(cell, tokens: int | None, k: int, column: str) -> np.ndarray:
 
 def encode_ids(ids: np.ndarray) -> bytes:
     """int32 ``[T, K]`` → one ``topk_ids`` cell."""
-    return zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True).compress(_planes(np.asarray(ids, dtype=np.int32).view(np.uint32)))
+    return codecs.compressor(ZSTD_LEVEL).compress(_planes(np.asarray(ids, dtype=np.int32).view(np.uint32)))
 
 
 def encode_logprobs(values: np.ndarray) -> bytes:
@@ -76,7 +76,7 @@ def encode_logprobs(values: np.ndarray) -> bytes:
     u = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
     delta = u.copy()
     delta[:, 1:] = u[:, 1:] - u[:, :-1]  # uint32 arithmetic wraps: invertible for any values
-    return zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True).compress(_planes(delta))
+    return codecs.compressor(ZSTD_LEVEL).compress(_planes(delta))
 
 
 def decode_ids(cell, k: int, tokens: int | None = None) -> np.ndarray:
