@@ -164,14 +164,17 @@ def prepare(cfg: RunConfig) -> Prepared:
 def resume_arithmetic(cfg: RunConfig, prep: Prepared, existing: manifest_mod.Manifest) -> Prepared:
     """``--dtype auto`` on a resume: the hf engine computes in the dtype the run started with (its header's
     ``engine.compute_dtype``; absent: the state dtype), whatever this machine's ``auto`` would pick, so the
-    states of one run come from one arithmetic. A ``--dtype`` given explicitly is left as it is (and a
-    different one is refused by the identity check)."""
-    if (cfg.compute_dtype != "auto" or existing.header is None or prep.engine.name != "hf"
-            or existing.header.engine.get("name") != "hf"):
+    states of one run come from one arithmetic. A ``--dtype`` given explicitly must be the run's: another
+    raises CaptureError naming both."""
+    if existing.header is None or prep.engine.name != "hf" or existing.header.engine.get("name") != "hf":
         return prep
     ran = existing.header.engine.get("compute_dtype")
     if ran == prep.engine.compute_dtype:
         return prep
+    if cfg.compute_dtype != "auto":
+        raise CaptureError(f"{cfg.out} was computed in {ran or existing.header.dtype}; --dtype {cfg.compute_dtype} "
+                           "would mix two arithmetics in one run: leave --dtype out (a resume keeps the run's) "
+                           "or use another --out")
     log.info("resuming in the run's own compute dtype %s (--dtype auto would pick %s on this machine)",
              ran or prep.header.dtype, prep.engine.compute_dtype or prep.header.dtype)
     engine = dataclasses.replace(prep.engine, compute_dtype=ran)

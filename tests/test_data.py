@@ -180,7 +180,7 @@ def test_sharegpt_sample_ids_stable_across_reads():
 def test_sample_resolve(sample_ref):
     assert sample_ref.name == "open-perfectblend-sample.jsonl"
     assert sample_ref.kind == "local"
-    assert sample_ref.path == str(SAMPLE)
+    assert sample_ref.path == str(SAMPLE.resolve())  # resolved: ../shared may be a link
     assert sample_ref.revision == hashlib.sha256(SAMPLE.read_bytes()).hexdigest()
 
 

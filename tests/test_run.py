@@ -170,6 +170,6 @@ def test_dtype_is_recorded_kept_on_resume_and_refused_for_other_engines(tmp_path
     assert ("resuming in the run's own compute dtype float32" in more.stderr) == (compute_dtype("auto", "bfloat16") != "float32")
     assert manifest.read(out).header.engine == head.engine
     other = capture_inproc(*args, "--dtype", "bfloat16")
-    assert other.exit_code == 2 and 'engine.compute_dtype: "float32" → null' in other.stderr
+    assert other.exit_code == 2 and "was computed in float32; --dtype bfloat16 would mix two arithmetics" in other.stderr
     vllm = capture_inproc("run", "--out", str(tmp_path / "v"), "--engine", "vllm", "--dtype", "float32", "--dry-run")
     assert vllm.exit_code == 2 and "--dtype applies only to the hf engine; this run uses vllm" in vllm.stderr
