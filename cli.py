@@ -201,6 +201,9 @@ def targets(as_json: bool) -> None:
 @click.option("--max-model-len", type=int, help="vLLM context length.")
 @click.option("--gpu-memory-utilization", type=float, help="vLLM GPU memory fraction.")
 @click.option("--vllm-arg", "vllm_args", multiple=True, help="KEY=VALUE passed to vllm.LLM (repeatable).")
+@click.option("--self-check", type=int, help="Stored rows rechecked at the end against an independent float32 HF "
+              "forward (`capture shards check`), recorded in the completion record and provenance.json; exit 1 "
+              "when they fail (default 8 for vllm and exl3, 0 = off for hf).")
 @click.option("--disk-reserve", help="Free space to keep on the output disk, e.g. 1GiB (default 64MiB).")
 @click.option("--dry-run", is_flag=True, default=None, help="Print the plan (records, tokens, bytes); write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
@@ -226,6 +229,10 @@ def run(config_file, as_json, no_progress, **flags) -> None:
     with contextlib.redirect_stdout(sys.stderr):
         summary = run_capture(cfg).as_dict()
     _emit(summary, as_json, _print_summary)
+    if summary["self_check"] and not summary["self_check"]["ok"]:
+        click.echo("self-check FAILED (the rows stay committed; `capture shards check` for details): "
+                   + "; ".join(summary["self_check"]["problems"]), err=True)
+        sys.exit(1)
 
 
 def _print_summary(s: dict) -> None:
@@ -255,6 +262,11 @@ def _print_summary(s: dict) -> None:
         _table([{"replica": r["replica"], "units": r["units"], "rows": r["rows"], "tokens": r["tokens"],
                  "busy s": round(r["busy_seconds"], 1), "restarts": r["restarts"],
                  "failures": "; ".join(f"{k} x{v}" for k, v in r["failures"].items())} for r in s["replicas"]])
+    if s["self_check"]:
+        c = s["self_check"]
+        click.echo(f"self-check of {c['rows']} rows against a {c['dtype']} HF forward: {'OK' if c['ok'] else 'FAILED'}; "
+                   "per-token cosine mean " + ", ".join(f"{k} {v['cos_mean']:.5f}" for k, v in c["taps"].items())
+                   + (f"; argmax agreement {c['argmax_agreement']:.4f}" if c["argmax_agreement"] is not None else ""))
     if s["quarantined"]:
         click.echo(f"quarantined {len(s['quarantined'])} record(s) (not written; a rerun retries them): "
                    + "; ".join(f"{k}: {v}" for k, v in sorted(s["quarantined"].items())[:10]))
@@ -324,6 +336,24 @@ def shards_verify(run_dir, as_json) -> None:
         click.echo(f"{verdict}: {r['shards']} shards, {r['rows']} rows, {r['tokens']:,} tokens; run {state}")
 
     _emit(dataclasses.asdict(report), as_json, render)
+    sys.exit(0 if report.ok else 1)
+
+
+@shards.command("check")
+@click.argument("run_dir", type=RUN_DIR)
+@click.option("--rows", type=click.IntRange(1), default=8, show_default=True, help="Stored rows to recompute.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="The reference forward's arithmetic.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Which rows (spread over lengths).")
+@click.option("--model-path", help="The target folder (default: model_dir in the run's provenance.json).")
+@click.option("--json", "as_json", is_flag=True)
+def shards_check(run_dir, rows, dtype, seed, model_path, as_json) -> None:
+    """Recompute stored rows with an independent HF forward and compare every tap, the final state and
+    argmax. Exit 1 below the thresholds (provenance/check.py)."""
+    from provenance.check import check, markdown
+
+    report = check(run_dir, rows=rows, dtype=dtype, seed=seed, model_path=model_path)
+    _emit(report.as_dict(), as_json, lambda r: click.echo(markdown(report)))
     sys.exit(0 if report.ok else 1)
 
 

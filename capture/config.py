@@ -89,6 +89,9 @@ class RunConfig:
     max_model_len: int | None = None  # vLLM context length (None: the model's)
     gpu_memory_utilization: float | None = None  # vLLM (None: vLLM's default)
     vllm_args: tuple[tuple[str, Any], ...] = ()  # further vllm.LLM engine arguments, (key, value) pairs
+    # rows rechecked at the end against an independent float32 HF forward (provenance.check); None: 8 for the
+    # vllm and exl3 engines, 0 (off) for hf
+    self_check: int | None = None
     disk_reserve: int = 64 * 2**20  # bytes kept free on the output disk beyond the next unit's estimate
     dry_run: bool = False
     progress: bool = True
@@ -109,7 +112,7 @@ _CHOICES = {
 }
 _INTS = {  # field: smallest allowed value (None allowed where the default is None)
     "limit": 0, "skip": 0, "shard_size": 1, "batch_tokens": 1, "unit_tokens": 1, "first_unit_tokens": 1, "replicas": 1, "cpus_per_replica": 1,
-    "codec_threads": 1, "disk_reserve": 0, "max_unit_attempts": 1, "max_new_tokens": 1, "seed": 0, "tp": 1, "max_model_len": 1,
+    "codec_threads": 1, "disk_reserve": 0, "self_check": 0, "max_unit_attempts": 1, "max_new_tokens": 1, "seed": 0, "tp": 1, "max_model_len": 1,
 }
 
 
@@ -132,7 +135,7 @@ def _validate(cfg: "RunConfig") -> None:
             bad(name, getattr(cfg, name), "one of " + ", ".join(c for c in choices if c))
     for name, low in _INTS.items():
         value = getattr(cfg, name)
-        if not (value is None and name in ("limit", "cpus_per_replica", "max_model_len")) and not (_is_int(value) and value >= low):
+        if not (value is None and name in ("limit", "cpus_per_replica", "max_model_len", "self_check")) and not (_is_int(value) and value >= low):
             bad(name, value, f"an integer >= {low}")
     from shards.topk import MAX_K
 

@@ -81,6 +81,7 @@ class Summary:
     timings: dict = dataclasses.field(default_factory=dict)  # seconds: capture.progress.Timings
     quarantined: dict = dataclasses.field(default_factory=dict)  # sample_id → reason (failed every attempt)
     executor: str = ""  # where the replicas ran: "ray" (actors) or "local" (the driver's process)
+    self_check: dict | None = None  # --self-check: provenance.check's verdict on rows of this run (None: not run)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -461,6 +462,7 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
             "Free some space and rerun the same command to resume"
         )
     _remove_garbage(loc)
+    summary.self_check = _self_check(cfg, prep, loc, progress, record) if summary.total_rows else None
     writer.complete({
         "end_time": provenance.record.utc_now(ended),
         "dataset": dataclasses.asdict(prep.dataset),
@@ -476,6 +478,7 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
         "truncated_input": summary.truncated_input,
         "total_rows": summary.total_rows,
         "total_tokens": summary.total_tokens,
+        "self_check": summary.self_check,
     })
     _finish_provenance(loc, record, summary, "complete", ended)
     if summary.total_rows == 0:
@@ -483,6 +486,33 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
         detail = ", ".join(f"{k}={v}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])) or "no rows read"
         raise CaptureError(f"no records written: all {summary.rows_read} rows read were dropped ({detail})")
     return summary
+
+
+def self_check_rows(cfg: RunConfig, engine: str) -> int:
+    """``--self-check``'s row count: as given, else 8 for the engines whose states come from code paths
+    other than a plain HF forward (vllm, exl3) and 0 for hf."""
+    return cfg.self_check if cfg.self_check is not None else (8 if engine in ("vllm", "exl3") else 0)
+
+
+def _self_check(cfg: RunConfig, prep: Prepared, loc: Location, progress: Progress, record: dict) -> dict | None:
+    """Run :func:`provenance.check.check` on the committed run (``--self-check N`` rows); its verdict, also
+    added to this invocation in ``provenance.json`` (``record``, written by ``_finish_provenance``)."""
+    n = self_check_rows(cfg, prep.engine.name)
+    if not n:
+        return None
+    from provenance.check import check
+
+    progress.status(f"self-check: {n} rows against a float32 HF forward")
+    report = check(loc, rows=n, model_path=prep.model_dir)
+    verdict = {"rows": len(report.rows), "tokens": report.tokens, "dtype": report.dtype, "ok": report.ok,
+               "problems": report.problems, "argmax_agreement": report.argmax_agreement,
+               "topk_overlap": report.topk_overlap,
+               "taps": {t.column: {"cos_min": round(t.cos_min, 6), "cos_mean": round(t.cos_mean, 6),
+                                   "rel_err": round(t.rel_err, 6)} for t in report.taps}}
+    record["invocations"][-1]["self_check"] = verdict
+    if not report.ok:
+        log.error("self-check FAILED on %s: %s", cfg.out, "; ".join(report.problems))
+    return verdict
 
 
 def _eta(elapsed: float, rows_read: int, limit: int | None) -> str | None:

@@ -222,6 +222,8 @@ def test_cli_run_with_vllm(tmp_path, sample_jsonl, encoder, smol_dir):
                        "--json", "--no-progress", check=True)
     summary = json.loads(proc.stdout)
     assert "enable_prefix_caching=True overridden to False" in proc.stderr
+    # on by default for vLLM: 8 rows (here all 6) against an independent float32 HF forward (provenance.check)
+    assert summary["self_check"]["ok"] and summary["self_check"]["rows"] == summary["committed_rows"]
     table = pa.concat_tables([read_table(p) for p in shard_paths(out)])
     head = read_header(table.schema)
     assert head.engine["name"] == "vllm" and head.engine["path"] == "extract"
