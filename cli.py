@@ -194,6 +194,10 @@ def targets(as_json: bool) -> None:
 @click.option("--dtype", "compute_dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
               help="The hf engine's arithmetic; states are stored in the target's dtype either way (default auto: "
                    "the target's dtype where the CPU computes it natively, else float32; a resume keeps the run's).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]),
+              help="Where the hf engine runs (default auto: cuda when a CUDA device is visible, else cpu).")
+@click.option("--gpus-per-replica", type=int, help="GPUs each cuda hf replica holds (default 1; the model is spread "
+              "over them with transformers' device_map=auto).")
 @click.option("--vllm-path", type=click.Choice(["auto", "extract", "hooks"]),
               help="vLLM capture path: extract_hidden_states + KV connector, or worker-extension hooks "
                    "(auto: hooks for MLA targets).")

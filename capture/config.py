@@ -84,6 +84,9 @@ class RunConfig:
     # the hf engine's arithmetic: auto (the state dtype where the CPU computes it natively, else float32),
     # float32, bfloat16, float16; states are stored in the target's dtype either way
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # the hf engine's device: auto (cuda when a CUDA device is visible, else cpu), cpu, cuda; GPUs per hf replica
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    gpus_per_replica: int | None = None  # None: 1 for a cuda hf replica
     vllm_path: str = "auto"  # extract | hooks | auto (hooks for MLA targets); see capture.engines.vllm
     tp: int = 1  # vLLM tensor-parallel size (GPUs per replica)
     max_model_len: int | None = None  # vLLM context length (None: the model's)
@@ -109,10 +112,11 @@ _CHOICES = {
     "vllm_path": ("auto", "extract", "hooks"),
     "compute_dtype": ("auto", "float32", "bfloat16", "float16"),
     "executor": ("auto", "ray", "local"),
+    "device": ("auto", "cpu", "cuda"),
 }
 _INTS = {  # field: smallest allowed value (None allowed where the default is None)
     "limit": 0, "skip": 0, "shard_size": 1, "batch_tokens": 1, "unit_tokens": 1, "first_unit_tokens": 1, "replicas": 1, "cpus_per_replica": 1,
-    "codec_threads": 1, "disk_reserve": 0, "self_check": 0, "max_unit_attempts": 1, "max_new_tokens": 1, "seed": 0, "tp": 1, "max_model_len": 1,
+    "codec_threads": 1, "disk_reserve": 0, "self_check": 0, "gpus_per_replica": 1, "max_unit_attempts": 1, "max_new_tokens": 1, "seed": 0, "tp": 1, "max_model_len": 1,
 }
 
 
@@ -135,7 +139,7 @@ def _validate(cfg: "RunConfig") -> None:
             bad(name, getattr(cfg, name), "one of " + ", ".join(c for c in choices if c))
     for name, low in _INTS.items():
         value = getattr(cfg, name)
-        if not (value is None and name in ("limit", "cpus_per_replica", "max_model_len", "self_check")) and not (_is_int(value) and value >= low):
+        if not (value is None and name in ("limit", "cpus_per_replica", "max_model_len", "self_check", "gpus_per_replica")) and not (_is_int(value) and value >= low):
             bad(name, value, f"an integer >= {low}")
     from shards.topk import MAX_K
 

@@ -124,9 +124,8 @@ def prepare(cfg: RunConfig) -> Prepared:
             raise CaptureError(f"--topk {cfg.topk} is more than the target's vocabulary ({vocab} tokens)")
     vllm_args = vllm_engine_args(cfg.tp, cfg.max_model_len, cfg.gpu_memory_utilization, cfg.vllm_args)
     caps = engine_class(name).capabilities
-    engine = engine_spec(cfg.engine, cfg.vllm_path, vllm_args, model_cfg, cfg.compute_dtype,
-                         caps.state_dtype or target.dtype)
-    given = {"compute_dtype": cfg.compute_dtype != "auto",
+    given = {"compute_dtype": cfg.compute_dtype != "auto", "device": cfg.device != "auto",
+             "gpus_per_replica": cfg.gpus_per_replica is not None,
              "vllm_path": cfg.vllm_path != "auto", "tp": cfg.tp != 1, "max_model_len": cfg.max_model_len is not None,
              "gpu_memory_utilization": cfg.gpu_memory_utilization is not None, "vllm_args": bool(cfg.vllm_args)}
     foreign = [name for name, set_ in given.items() if set_ and name not in caps.options]
@@ -134,7 +133,9 @@ def prepare(cfg: RunConfig) -> Prepared:
         flag = {"vllm_args": "--vllm-arg", "compute_dtype": "--dtype"}.get(foreign[0], "--" + foreign[0].replace("_", "-"))
         takers = [n for n in NAMES[1:] if foreign[0] in engine_class(n).capabilities.options]
         why = " (--engine auto picks vllm only when vLLM is installed and a GPU is visible)" if cfg.engine == "auto" else ""
-        raise CaptureError(f"{flag} applies only to the {' and '.join(takers)} engine; this run uses {engine.name}{why}")
+        raise CaptureError(f"{flag} applies only to the {' and '.join(takers)} engine; this run uses {name}{why}")
+    engine = engine_spec(cfg.engine, cfg.vllm_path, vllm_args, model_cfg, cfg.compute_dtype,
+                         caps.state_dtype or target.dtype, cfg.device, cfg.gpus_per_replica)
     if cfg.responses == "regenerate" and not caps.generates:
         makers = " or ".join(n for n in NAMES[1:] if engine_class(n).capabilities.generates)
         raise CaptureError(f"--engine {engine.name} captures prefills only; --responses regenerate needs the {makers} engine")
@@ -308,6 +309,17 @@ def run(cfg: RunConfig) -> Summary:
         progress.close()
 
 
+def replica_gpus(engine: EngineSpec, tp: int, cluster_gpus: float) -> int:
+    """GPUs a Ray replica reserves (Ray sets its CUDA_VISIBLE_DEVICES): a cuda hf replica its ``engine.gpus``
+    (CaptureError when the cluster has fewer), a vLLM replica its TP group's ``tp`` on a GPU cluster (none
+    on a CPU one: vLLM-CPU), others none."""
+    if engine.device == "cuda":
+        if cluster_gpus < engine.gpus:
+            raise CaptureError(f"--device cuda: the Ray cluster has {cluster_gpus:g} GPU(s), a replica needs {engine.gpus}")
+        return engine.gpus
+    return tp if engine.capabilities.gpus_per_tp_rank and cluster_gpus else 0
+
+
 def executor_of(cfg: RunConfig, engine: EngineSpec) -> str:
     """``cfg.executor``, with ``auto`` resolved: ``local`` (the replica in the driver's process: no Ray
     daemons, one process; bench/peer_modelopt.out) for one HF replica with no Ray address and no unit
@@ -386,8 +398,7 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
                   commit_seconds=cfg.commit_every, codec_threads=cfg.codec_threads, engine=prep.engine,
                   filters=cfg.filters, feed=progress.feed)
     if executor == "ray":
-        # a GPU engine's replica on a GPU cluster holds its TP group's GPUs (Ray sets CUDA_VISIBLE_DEVICES for it)
-        gpus = cfg.tp if prep.engine.capabilities.gpus_per_tp_rank and ray.cluster_resources().get("GPU", 0) else 0
+        gpus = replica_gpus(prep.engine, cfg.tp, ray.cluster_resources().get("GPU", 0))
         actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus)(Replica)
         calls = RayCalls()
 

@@ -234,3 +234,35 @@ def test_packed_batch_matches_each_record_alone_and_keeps_records_apart(smol_dir
             assert all(torch.equal(a.states[c], b.states[c]) for c in a.states), i
             np.testing.assert_array_equal(a.argmax, b.argmax)
     assert not torch.equal(got[3].states["tap_15"], again[3].states["tap_15"])
+
+
+def test_device_choice_for_the_hf_engine(smol_dir, tmp_path):
+    """--device: auto is cuda exactly when CUDA is visible; cuda without a GPU is one line; a cuda hf
+    replica reserves its GPUs from Ray (a cluster with fewer is refused); the header names a cuda run's
+    device. On this CPU machine auto runs on the CPU."""
+    from capture.driver import replica_gpus
+    from capture.engines import EngineSpec, engine_spec, resolve_device
+    from capture.errors import CaptureError
+    from conftest import capture_inproc
+
+    assert resolve_device("auto", cuda_available=False) == "cpu"
+    assert resolve_device("auto", cuda_available=True) == "cuda"
+    assert resolve_device("cpu", cuda_available=True) == "cpu"
+    with pytest.raises(CaptureError, match="--device cuda: no CUDA device is visible"):
+        resolve_device("cuda", cuda_available=False)
+    cuda = EngineSpec("hf", device="cuda", gpus=2)
+    assert cuda.describe() == {"name": "hf", "device": "cuda"} and EngineSpec("hf").describe() == {"name": "hf"}
+    assert replica_gpus(cuda, tp=1, cluster_gpus=8) == 2
+    with pytest.raises(CaptureError, match="the Ray cluster has 1 GPU"):
+        replica_gpus(cuda, tp=1, cluster_gpus=1)
+    assert replica_gpus(EngineSpec("hf"), tp=1, cluster_gpus=8) == 0
+    assert replica_gpus(EngineSpec("vllm"), tp=4, cluster_gpus=8) == 4
+    assert replica_gpus(EngineSpec("vllm"), tp=4, cluster_gpus=0) == 0  # vLLM-CPU
+    here = engine_spec("hf", "auto", {}, {}, device="auto")
+    assert here.device == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        res = capture_inproc("run", "--out", str(tmp_path / "r"), "--limit", "1", "--device", "cuda", "--no-progress")
+        assert res.exit_code == 2 and "--device cuda: no CUDA device is visible" in res.stderr
+        assert not (tmp_path / "r").exists()
+    res = capture_inproc("run", "--out", str(tmp_path / "v"), "--engine", "vllm", "--device", "cpu", "--dry-run")
+    assert res.exit_code == 2 and "--device applies only to the hf engine; this run uses vllm" in res.stderr

