@@ -36,4 +36,10 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q --durations=25
 
-.PHONY: setup demo test
+# wheels bench/gpu_check.sh installs on a GPU machine without network (CPython 3.10-3.13, x86_64)
+gpu-wheels:
+	for v in 3.10 3.11 3.12 3.13; do $(PYTHON) -m pip download -q --only-binary=:all: --no-deps -d .whl \
+	    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --python-version $$v \
+	    zstandard xxhash ijson jinja2 markupsafe; done
+
+.PHONY: setup demo test gpu-wheels

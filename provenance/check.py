@@ -15,7 +15,8 @@ final norm written here), and compares per tap:
 
 Conventions (the run header's ``tap_convention``): tap ``k`` is the output of 0-based decoder layer ``k``
 before the final norm (HF ``hidden_states[k+1]`` except for the last layer, whose ``hidden_states`` entry
-is post-norm: hence the hooks); ``final`` post-norm is the final norm's output, pre-norm its input.
+is post-norm: hence the hooks), a layer output over N residual streams reduced by their mean (the
+header's ``stream_reduction``); ``final`` post-norm is the final norm's output, pre-norm its input.
 
 A run passes when every tap meets :data:`THRESHOLDS` for its codec class. Measured on real SmolLM2 runs
 (bf16 arithmetic against a float32 reference, 6 rows of 122-3,180 tokens): per-token cosine min >= 0.9925,
@@ -145,14 +146,16 @@ def reference(model_path: str, dtype: str, layers: list[int], final: str, ids: l
               topk: int) -> list[dict]:
     """Per row: float32 ``{"tap_<k>": [T, H], "final": [T, H], "argmax": int32 [T], "topk": int32 [T, K]}``
     from a plain HF forward (hooks on ``model.model.layers[k]`` and the final norm)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+    # a checkpoint whose text model has no causal-LM class (glm5_next) loads as image-text-to-text
+    auto = AutoModelForCausalLM if type(AutoConfig.from_pretrained(model_path)) in AutoModelForCausalLM._model_mapping \
+        else AutoModelForImageTextToText
+    model = auto.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
     decoder = model.get_decoder()
     saved: dict = {}
     hooks = [decoder.layers[k].register_forward_hook(
-        lambda mod, args, out, k=k: saved.__setitem__(tap_column(k), (out[0] if isinstance(out, tuple) else out)[0]))
-        for k in layers]
+        lambda mod, args, out, k=k: saved.__setitem__(tap_column(k), _layer_output(out))) for k in layers]
     if final in ("post-norm", "pre-norm"):
         hooks.append(decoder.norm.register_forward_hook(
             lambda mod, args, out: saved.__setitem__(FINAL, (out if final == "post-norm" else args[0])[0])))
@@ -169,6 +172,14 @@ def reference(model_path: str, dtype: str, layers: list[int], final: str, ids: l
     for h in hooks:
         h.remove()
     return results
+
+
+def _layer_output(out) -> torch.Tensor:
+    """A decoder layer's output for the batch's one row: ``[T, H]``; a ``[T, N, H]`` output over N residual
+    streams (GLM-5.3-Flash's hyper-connections) reduced by the mean over streams, the header's
+    ``stream_reduction`` (the model's own reduction before its final norm)."""
+    x = (out[0] if isinstance(out, tuple) else out)[0]
+    return x.float().mean(dim=-2) if x.dim() == 3 else x
 
 
 def compare(run: str, model_dir: str, dtype: str, header: RunHeader, stored: list, refs: list[dict]) -> Report:
