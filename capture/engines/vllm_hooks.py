@@ -21,6 +21,22 @@ from __future__ import annotations
 
 import torch
 
+# the vLLM method that completes glm5_next's deferred stream mixing and averages the streams; its name has
+# changed across vLLM versions, so the hooks path checks for it and refuses rather than store another stream
+STREAM_METHOD = "_aux_hidden_state"
+
+
+def check_streams(model) -> None:
+    """Raise RuntimeError (one line) when ``model`` (vLLM's decoder module) has several residual streams
+    (``hc_mult`` > 1 in its config) but not :data:`STREAM_METHOD`: a hook would then store one intermediate
+    stream as the layer output, the wrong tensor of vLLM PR #55682."""
+    config = getattr(model, "config", None)
+    streams = int(getattr(config, "hc_mult", None) or 1)
+    if streams > 1 and not callable(getattr(model, STREAM_METHOD, None)):
+        raise RuntimeError(f"capture hooks: this vLLM's {type(model).__name__} has {streams} residual streams but no "
+                           f"{STREAM_METHOD}() to complete and average them; a hook would store an intermediate "
+                           "stream. Use a vLLM version that has it, or --engine hf")
+
 
 class HookExtension:
     """Mixed into vLLM's worker class; every method runs in each worker via ``collective_rpc``."""
@@ -32,6 +48,7 @@ class HookExtension:
 
         runner = self.model_runner
         self._capture_model = runner.get_model().model
+        check_streams(self._capture_model)
         layers = self._capture_model.layers
         self._capture_rank0 = get_tensor_model_parallel_rank() == 0
         self._capture_chunks: dict[str, list[torch.Tensor]] = {}
