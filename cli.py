@@ -181,7 +181,7 @@ def targets(as_json: bool) -> None:
 @click.option("--cpus-per-replica", type=int)
 @click.option("--ray-address", help="Ray cluster address: auto, ray://host:10001, host:6379 (default: start a local instance).")
 @click.option("--executor", type=click.Choice(["auto", "ray", "local"]),
-              help="Where replicas run: ray (actors, each its own process; retries, --unit-timeout, clusters), "
+              help="Where replicas run: ray (actors, each its own process; a dead or hung replica replaced, --unit-timeout, clusters), "
                    "local (one replica in this process: no Ray daemons), or auto (default: local for one hf "
                    "replica without --ray-address or --unit-timeout, else ray).")
 @click.option("--unit-timeout", type=float, help="Seconds a work unit may run before its replica counts as hung "
@@ -193,11 +193,12 @@ def targets(as_json: bool) -> None:
                    "when installed and a GPU is visible, else hf).")
 @click.option("--dtype", "compute_dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
               help="The hf engine's arithmetic; states are stored in the target's dtype either way (default auto: "
-                   "the target's dtype where the CPU computes it natively, else float32; a resume keeps the run's).")
+                   "the target's dtype where the CPU computes it natively or on cuda, else float32; a resume keeps the run's).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]),
               help="Where the hf engine runs (default auto: cuda when a CUDA device is visible, else cpu).")
-@click.option("--gpus-per-replica", type=int, help="GPUs each cuda hf replica holds (default 1; the model is spread "
-              "over them with transformers' device_map=auto).")
+@click.option("--gpus-per-replica", type=int, help="GPUs each cuda hf replica reserves on Ray (default 1; the model is "
+              "spread over them with transformers' device_map=auto). In process (--executor local) it spreads over "
+              "every visible GPU: limit them with CUDA_VISIBLE_DEVICES.")
 @click.option("--vllm-path", type=click.Choice(["auto", "extract", "hooks"]),
               help="vLLM capture path: extract_hidden_states + KV connector, or worker-extension hooks "
                    "(auto: hooks for MLA targets).")
@@ -206,8 +207,9 @@ def targets(as_json: bool) -> None:
 @click.option("--gpu-memory-utilization", type=float, help="vLLM GPU memory fraction.")
 @click.option("--vllm-arg", "vllm_args", multiple=True, help="KEY=VALUE passed to vllm.LLM (repeatable).")
 @click.option("--self-check", type=int, help="Stored rows rechecked at the end against an independent float32 HF "
-              "forward (`capture shards check`), recorded in the completion record and provenance.json; exit 1 "
-              "when they fail (default 8 for vllm and exl3, 0 = off for hf).")
+              "forward on this machine (`capture shards check`), recorded in the completion record and provenance.json; "
+              "exit 1 when they fail (default 8 for vllm; 0 = off for hf and exl3, whose EXL3 weights transformers "
+              "cannot load).")
 @click.option("--disk-reserve", help="Free space to keep on the output disk, e.g. 1GiB (default 64MiB).")
 @click.option("--dry-run", is_flag=True, default=None, help="Print the plan (records, tokens, bytes); write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")

@@ -73,7 +73,7 @@ class RunConfig:
     commit_every: float = 300.0  # seconds
     first_unit_tokens: int = 4096
     replicas: int = 1
-    cpus_per_replica: int | None = None  # None: all CPUs Ray sees, split over replicas
+    cpus_per_replica: int | None = None  # None: all CPUs Ray sees (in process: this process's affinity), split over replicas
     ray_address: str | None = None  # None: start a local Ray instance
     # where replicas run: ray (actors, each its own process), local (one replica in the driver's process:
     # no Ray daemons), auto (local for one hf replica without ray_address/unit_timeout; capture.driver.executor_of)

@@ -500,9 +500,10 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
 
 
 def self_check_rows(cfg: RunConfig, engine: str) -> int:
-    """``--self-check``'s row count: as given, else 8 for the engines whose states come from code paths
-    other than a plain HF forward (vllm, exl3) and 0 for hf."""
-    return cfg.self_check if cfg.self_check is not None else (8 if engine in ("vllm", "exl3") else 0)
+    """``--self-check``'s row count: as given, else 8 for vllm (states from code paths other than a plain HF
+    forward) and 0 for hf and exl3 (transformers cannot load EXL3 weights: check such a run with
+    ``capture shards check --model-path`` the unquantized folder)."""
+    return cfg.self_check if cfg.self_check is not None else (8 if engine == "vllm" else 0)
 
 
 def _self_check(cfg: RunConfig, prep: Prepared, loc: Location, progress: Progress, record: dict) -> dict | None:
@@ -514,7 +515,14 @@ def _self_check(cfg: RunConfig, prep: Prepared, loc: Location, progress: Progres
     from provenance.check import check
 
     progress.status(f"self-check: {n} rows against a float32 HF forward")
-    report = check(loc, rows=n, model_path=prep.model_dir)
+    try:
+        report = check(loc, rows=n, model_path=prep.model_dir)
+    except Exception as e:  # noqa: BLE001 - the rows stay committed; a check that cannot run is a failed check
+        reason = f"the check could not run: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        log.error("self-check FAILED on %s: %s", cfg.out, reason)
+        verdict = {"rows": 0, "ok": False, "problems": [reason]}
+        record["invocations"][-1]["self_check"] = verdict
+        return verdict
     verdict = {"rows": len(report.rows), "tokens": report.tokens, "dtype": report.dtype, "ok": report.ok,
                "problems": report.problems, "argmax_agreement": report.argmax_agreement,
                "topk_overlap": report.topk_overlap,

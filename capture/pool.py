@@ -20,7 +20,8 @@ tries it again). Fatal errors are raised, not retried: CaptureError, and OSError
 
 The pool reaches its replicas through a small calls interface: :class:`RayCalls` (Ray actors, each its
 own process; the default) or :class:`LocalCalls` (one replica in the driver's process, on a worker
-thread: no Ray daemons, no second copy of the process). In-process, a unit that raises is handled as
+thread: no Ray daemons, no second copy of the process; what ``capture run`` uses for one HF replica on
+one machine). In-process, a unit that raises is handled as
 above (the replica is dropped and a fresh one takes its records), but a hung unit cannot be killed (no
 ``unit_timeout``) and a crash of the engine ends the run, which a rerun resumes.
 """

@@ -45,8 +45,9 @@ from shards.run import Location, as_location
 
 @dataclasses.dataclass(frozen=True)
 class Thresholds:
-    """A tap passes with per-token cosine min >= ``cos_min`` and mean >= ``cos_mean``, no all-zero,
-    constant or non-finite token, and (where stored) argmax agreement >= ``argmax``."""
+    """A tap passes with per-token cosine min >= ``cos_min`` and mean >= ``cos_mean`` and no all-zero,
+    constant or non-finite token; the run also needs (where stored) argmax agreement >= ``argmax`` and top-K
+    overlap >= ``topk_overlap``."""
 
     cos_min: float
     cos_mean: float
@@ -145,7 +146,7 @@ def check(run: str | os.PathLike | Location, *, rows: int = 8, dtype: str = "flo
 def reference(model_path: str, dtype: str, layers: list[int], final: str, ids: list[np.ndarray],
               topk: int) -> list[dict]:
     """Per row: float32 ``{"tap_<k>": [T, H], "final": [T, H], "argmax": int32 [T], "topk": int32 [T, K]}``
-    from a plain HF forward (hooks on ``model.model.layers[k]`` and the final norm)."""
+    from a plain HF forward (hooks on ``model.get_decoder().layers[k]`` and the decoder's final norm)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     # a checkpoint whose text model has no causal-LM class (glm5_next) loads as image-text-to-text

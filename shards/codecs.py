@@ -25,7 +25,7 @@ int4-b32      no        the same with integer codes in [-7, 7], one a byte: zstd
 
 Cells end with a checksum of their bytes (:data:`CHECKS`; :func:`encode` ``check=``, recorded in the
 schema's state fields as ``check``): XXH3-64 since format 1.4, CRC-32 in format 1.3 (zlib's CRC-32 checks
-2.5-2.9 GB/s of cell here, ~25% on top of a ``bf16-split`` decode; XXH3-64 15-21 GB/s, ~4%:
+2.5 GB/s of cell here, ~25% on top of a ``bf16-split`` decode; XXH3-64 14.8 GB/s, ~4%:
 bench/codecs.out). A damaged byte anywhere in a cell, also where no zstd frame covers it (``bf16-split``'s low
 bytes, fp8's scales), is then an error, not other states.
 
