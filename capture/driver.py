@@ -517,20 +517,17 @@ def _self_check(cfg: RunConfig, prep: Prepared, loc: Location, progress: Progres
     progress.status(f"self-check: {n} rows against a float32 HF forward")
     try:
         report = check(loc, rows=n, model_path=prep.model_dir)
+        verdict = {"rows": len(report.rows), "tokens": report.tokens, "dtype": report.dtype, "ok": report.ok,
+                   "problems": report.problems, "argmax_agreement": report.argmax_agreement,
+                   "topk_overlap": report.topk_overlap,
+                   "taps": {t.column: {"cos_min": round(t.cos_min, 6), "cos_mean": round(t.cos_mean, 6),
+                                       "rel_err": round(t.rel_err, 6)} for t in report.taps}}
     except Exception as e:  # noqa: BLE001 - the rows stay committed; a check that cannot run is a failed check
         reason = f"the check could not run: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
-        log.error("self-check FAILED on %s: %s", cfg.out, reason)
         verdict = {"rows": 0, "ok": False, "problems": [reason]}
-        record["invocations"][-1]["self_check"] = verdict
-        return verdict
-    verdict = {"rows": len(report.rows), "tokens": report.tokens, "dtype": report.dtype, "ok": report.ok,
-               "problems": report.problems, "argmax_agreement": report.argmax_agreement,
-               "topk_overlap": report.topk_overlap,
-               "taps": {t.column: {"cos_min": round(t.cos_min, 6), "cos_mean": round(t.cos_mean, 6),
-                                   "rel_err": round(t.rel_err, 6)} for t in report.taps}}
     record["invocations"][-1]["self_check"] = verdict
-    if not report.ok:
-        log.error("self-check FAILED on %s: %s", cfg.out, "; ".join(report.problems))
+    if not verdict["ok"]:
+        log.error("self-check FAILED on %s: %s", cfg.out, "; ".join(verdict["problems"]))
     return verdict
 
 
