@@ -201,7 +201,8 @@ def targets(as_json: bool) -> None:
               "every visible GPU: limit them with CUDA_VISIBLE_DEVICES.")
 @click.option("--vllm-path", type=click.Choice(["auto", "extract", "hooks"]),
               help="vLLM capture path: extract_hidden_states + KV connector, or worker-extension hooks "
-                   "(auto: hooks for MLA targets).")
+                   "(auto: extract where the installed vLLM's model class emits every asked layer, incl. the "
+                   "last one for the final state; else hooks, the reason logged).")
 @click.option("--tp", type=int, help="vLLM tensor-parallel size.")
 @click.option("--max-model-len", type=int, help="vLLM context length.")
 @click.option("--gpu-memory-utilization", type=float, help="vLLM GPU memory fraction.")

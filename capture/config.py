@@ -87,7 +87,7 @@ class RunConfig:
     # the hf engine's device: auto (cuda when a CUDA device is visible, else cpu), cpu, cuda; GPUs per hf replica
     device: Literal["auto", "cpu", "cuda"] = "auto"
     gpus_per_replica: int | None = None  # None: 1 for a cuda hf replica
-    vllm_path: str = "auto"  # extract | hooks | auto (hooks for MLA targets); see capture.engines.vllm
+    vllm_path: str = "auto"  # extract | hooks | auto; see capture.engines.vllm_paths
     tp: int = 1  # vLLM tensor-parallel size (GPUs per replica)
     max_model_len: int | None = None  # vLLM context length (None: the model's)
     gpu_memory_utilization: float | None = None  # vLLM (None: vLLM's default)

@@ -135,7 +135,7 @@ def prepare(cfg: RunConfig) -> Prepared:
         why = " (--engine auto picks vllm only when vLLM is installed and a GPU is visible)" if cfg.engine == "auto" else ""
         raise CaptureError(f"{flag} applies only to the {' and '.join(takers)} engine; this run uses {name}{why}")
     engine = engine_spec(cfg.engine, cfg.vllm_path, vllm_args, model_cfg, cfg.compute_dtype,
-                         caps.state_dtype or target.dtype, cfg.device, cfg.gpus_per_replica)
+                         caps.state_dtype or target.dtype, cfg.device, cfg.gpus_per_replica, taps.final != "none")
     if cfg.responses == "regenerate" and not caps.generates:
         makers = " or ".join(n for n in NAMES[1:] if engine_class(n).capabilities.generates)
         raise CaptureError(f"--engine {engine.name} captures prefills only; --responses regenerate needs the {makers} engine")

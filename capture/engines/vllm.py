@@ -6,7 +6,9 @@ Two capture paths, same output:
   states into a KV-cache group; :class:`capture.engines.vllm_connector.CaptureConnector` (this project's
   KV connector) reads them out per request and keeps them in worker memory until this engine takes them.
 * ``hooks``: forward hooks installed through a worker extension (:mod:`capture.engines.vllm_hooks`),
-  eager mode. Chosen automatically (``path="auto"``) for MLA targets, which the extract method rejects.
+  eager mode. Chosen by ``path="auto"`` where the installed vLLM's model class cannot serve extract
+  (no aux states, or no aux id for the last layer: speculators #705) and for several residual streams
+  (:mod:`capture.engines.vllm_paths`).
 
 Layer numbering (vLLM ``LlamaModel.forward`` / ``SupportsEagle3``): aux layer id ``i`` is the residual
 stream *entering* decoder layer ``i``, i.e. the output of decoder layer ``i-1``; so tap ``k`` (output
@@ -51,7 +53,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from capture.engines import resolve_vllm_path
+from capture.engines import vllm_paths
 from capture.engines.base import Capabilities, Captured, Generated, Sampling
 from capture.errors import CaptureError
 from capture.targets import Taps
@@ -99,7 +101,7 @@ def final_norm(model_dir: str, model_config: dict):
 class VLLMEngine:
     """Load ``model_dir`` in vLLM and capture ``taps``.
 
-    ``path``: ``extract`` | ``hooks`` | ``auto`` (hooks for MLA targets). ``engine_args`` pass through to
+    ``path``: ``extract`` | ``hooks`` | ``auto`` (:func:`capture.engines.vllm_paths.choose`). ``engine_args`` pass through to
     ``vllm.LLM`` (e.g. ``tensor_parallel_size``, ``max_model_len``, ``gpu_memory_utilization``,
     ``max_num_batched_tokens``); ``enable_prefix_caching`` is forced off with a warning. Without CUDA the
     KV cache gets ``kv_cache_memory_bytes=1 GiB`` unless given. Raises CaptureError when vLLM is not
@@ -127,7 +129,7 @@ class VLLMEngine:
         self.topk = int(topk)
         self.model_config = json.loads((Path(model_dir) / "config.json").read_text())
         self.num_layers = int(self.model_config.get("text_config", self.model_config)["num_hidden_layers"])
-        self.path = path = resolve_vllm_path(path, self.model_config)
+        self.path = path = vllm_paths.choose(path, self.model_config, taps.final != "none")[0]
         self.ids, self.rows = aux_ids(taps, self.num_layers)
         self._norm = final_norm(model_dir, self.model_config) if taps.final == "post-norm" else None
 

@@ -1,7 +1,7 @@
 """Second vLLM capture path: forward hooks installed in the workers through a worker extension
-(``worker_extension_cls="capture.engines.vllm_hooks.HookExtension"``), for targets whose attention the
-``extract_hidden_states`` method does not support (vLLM rejects MLA verifiers; GLM-5.x uses MLA with
-sparse attention).
+(``worker_extension_cls="capture.engines.vllm_hooks.HookExtension"``), for targets the
+``extract_hidden_states`` method cannot serve (:mod:`capture.engines.vllm_paths`: no aux states, no aux
+id for the last layer as in speculators #705, or several residual streams).
 
 A vLLM decoder layer returns ``(hidden, residual)``; the layer's output (HF's ``hidden_states[k+1]``)
 is their sum, the same value vLLM's aux-hidden-state interface records. GLM-5.3-Flash (``glm5_next``,
