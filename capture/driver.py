@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import time
+from pathlib import Path
 
 import pyarrow.fs as pafs
 
@@ -102,7 +103,20 @@ class Prepared:
 def prepare(cfg: RunConfig) -> Prepared:
     """Resolve target, taps, dataset, model folder, tokenizer and run header (no engine loaded): every
     user error is raised here, before anything is written."""
-    name = resolve_engine(cfg.engine)
+    target = resolve_target(cfg.target)
+    dataset = resolve_dataset(cfg.dataset, cfg.split)
+    given = {"compute_dtype": cfg.compute_dtype != "auto", "device": cfg.device != "auto",
+             "gpus_per_replica": cfg.gpus_per_replica is not None,
+             "vllm_path": cfg.vllm_path != "auto", "tp": cfg.tp != 1, "max_model_len": cfg.max_model_len is not None,
+             "gpu_memory_utilization": cfg.gpu_memory_utilization is not None, "vllm_args": bool(cfg.vllm_args)}
+    taken = {n: any(given[o] for o in engine_class(n).capabilities.options) for n in ("hf", "vllm")}
+    name, why = resolve_engine(cfg.engine, input_tokens_bound(cfg, dataset), target.architecture, taken["hf"],
+                               taken["vllm"])
+    ran = run_engine(cfg.out) if cfg.engine == "auto" else None
+    if ran and ran != name:  # the states of one run come from one engine
+        name, why = ran, f"the run in {cfg.out} was captured with it; a resume keeps its engine"
+    if cfg.engine == "auto":
+        log.info("engine auto: %s (%s)", name, why)
     if cfg.topk and not engine_class(name).capabilities.topk:  # an engine that cannot give top-K, wherever it runs
         takers = " or ".join(n for n in NAMES[1:] if engine_class(n).capabilities.topk)
         raise CaptureError(f"--topk {cfg.topk}: the {name} engine cannot give top-K log-probabilities; use the {takers} engine")
@@ -110,9 +124,7 @@ def prepare(cfg: RunConfig) -> Prepared:
         from capture.engines.exl3 import check_exl3
 
         check_exl3()
-    target = resolve_target(cfg.target)
     taps = make_taps(target, cfg.layers, cfg.final)
-    dataset = resolve_dataset(cfg.dataset, cfg.split)
     mdir = model_dir(target, cfg.model_path)
     template_file = cfg.chat_template or packaged_template(target.chat_template)  # GLM presets: glm.jinja
     encoder = load_encoder(str(mdir), chat_template_file=template_file, system_prompt=cfg.system_prompt,
@@ -124,17 +136,13 @@ def prepare(cfg: RunConfig) -> Prepared:
             raise CaptureError(f"--topk {cfg.topk} is more than the target's vocabulary ({vocab} tokens)")
     vllm_args = vllm_engine_args(cfg.tp, cfg.max_model_len, cfg.gpu_memory_utilization, cfg.vllm_args)
     caps = engine_class(name).capabilities
-    given = {"compute_dtype": cfg.compute_dtype != "auto", "device": cfg.device != "auto",
-             "gpus_per_replica": cfg.gpus_per_replica is not None,
-             "vllm_path": cfg.vllm_path != "auto", "tp": cfg.tp != 1, "max_model_len": cfg.max_model_len is not None,
-             "gpu_memory_utilization": cfg.gpu_memory_utilization is not None, "vllm_args": bool(cfg.vllm_args)}
     foreign = [name for name, set_ in given.items() if set_ and name not in caps.options]
     if foreign:  # refused, not silently ignored
         flag = {"vllm_args": "--vllm-arg", "compute_dtype": "--dtype"}.get(foreign[0], "--" + foreign[0].replace("_", "-"))
         takers = [n for n in NAMES[1:] if foreign[0] in engine_class(n).capabilities.options]
-        why = " (--engine auto picks vllm only when vLLM is installed and a GPU is visible)" if cfg.engine == "auto" else ""
+        why = f" (--engine auto: {why})" if cfg.engine == "auto" else ""
         raise CaptureError(f"{flag} applies only to the {' and '.join(takers)} engine; this run uses {name}{why}")
-    engine = engine_spec(cfg.engine, cfg.vllm_path, vllm_args, model_cfg, cfg.compute_dtype,
+    engine = engine_spec(name, cfg.vllm_path, vllm_args, model_cfg, cfg.compute_dtype,
                          caps.state_dtype or target.dtype, cfg.device, cfg.gpus_per_replica, taps.final != "none")
     if cfg.responses == "regenerate" and not caps.generates:
         makers = " or ".join(n for n in NAMES[1:] if engine_class(n).capabilities.generates)
@@ -161,6 +169,29 @@ def prepare(cfg: RunConfig) -> Prepared:
     if limit:  # vLLM rejects prompts beyond its max_model_len (--max-model-len or --vllm-arg max_model_len=)
         context = min(context or limit, limit)
     return Prepared(target, taps, str(mdir), encoder, header, context, dataset, engine)
+
+
+def input_tokens_bound(cfg: RunConfig, dataset: DatasetRef) -> int | None:
+    """An estimate of a run's input tokens, for ``--engine auto`` (None: unbounded or unknown): the least
+    of ``--limit`` rows times ``--max-tokens`` (2,048 when not given; the demo's ShareGPT rows average
+    1,444: bench/demo_run.out) and, for a dataset on this disk, its bytes / 4 (a token is ~4 bytes of
+    English text; JSON markup makes this an overestimate)."""
+    bounds = [cfg.limit * (cfg.filters.max_tokens or 2048)] if cfg.limit is not None else []
+    if dataset.kind != "hub":
+        path = Path(dataset.path)
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
+        bounds.append(size // 4)
+    return min(bounds) if bounds else None
+
+
+def run_engine(out: str) -> str | None:
+    """The engine the run at ``out`` was captured with (its header's ``engine.name``), None when there is
+    no run there (or it cannot be read: ``run`` reports that itself)."""
+    try:
+        m = manifest_mod.read(resolve(out))
+    except Exception:  # noqa: BLE001 - a missing or unreadable folder: run() gives the message
+        return None
+    return m.header.engine.get("name") if m.header is not None else None
 
 
 def resume_arithmetic(cfg: RunConfig, prep: Prepared, existing: manifest_mod.Manifest) -> Prepared:
