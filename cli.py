@@ -255,6 +255,8 @@ def _print_summary(s: dict) -> None:
                    f"{s['shards']} shard(s), {s['committed_bytes'] / 2**20:,.1f} MiB in {s['seconds']} s; "
                    f"run total {s['total_rows']} rows, {s['total_tokens']:,} tokens")
     click.echo(f"rows read {s['rows_read']}, already committed {s['already_committed']}, kept {s['kept']}")
+    if s["engine"]:
+        click.echo(f"engine: {s['engine']}")
     if s["timings"]:
         t = s["timings"]
         click.echo(f"time: prepare {t['prepare']:.1f} s, start ({'Ray, ' if s['executor'] == 'ray' else ''}engine load, "

@@ -83,6 +83,7 @@ class Summary:
     quarantined: dict = dataclasses.field(default_factory=dict)  # sample_id → reason (failed every attempt)
     executor: str = ""  # where the replicas ran: "ray" (actors) or "local" (the driver's process)
     self_check: dict | None = None  # --self-check: provenance.check's verdict on rows of this run (None: not run)
+    engine: str = ""  # the engine that ran (or would run) and why: Prepared.engine_choice
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -98,6 +99,7 @@ class Prepared:
     context_len: int | None
     dataset: DatasetRef
     engine: EngineSpec
+    engine_choice: str = ""  # which engine (and vLLM path) runs, and why: "vllm, extract path (auto: ...)"
 
 
 def prepare(cfg: RunConfig) -> Prepared:
@@ -115,8 +117,6 @@ def prepare(cfg: RunConfig) -> Prepared:
     ran = run_engine(cfg.out) if cfg.engine == "auto" else None
     if ran and ran != name:  # the states of one run come from one engine
         name, why = ran, f"the run in {cfg.out} was captured with it; a resume keeps its engine"
-    if cfg.engine == "auto":
-        log.info("engine auto: %s (%s)", name, why)
     if cfg.topk and not engine_class(name).capabilities.topk:  # an engine that cannot give top-K, wherever it runs
         takers = " or ".join(n for n in NAMES[1:] if engine_class(n).capabilities.topk)
         raise CaptureError(f"--topk {cfg.topk}: the {name} engine cannot give top-K log-probabilities; use the {takers} engine")
@@ -168,7 +168,8 @@ def prepare(cfg: RunConfig) -> Prepared:
     limit = engine.context_limit
     if limit:  # vLLM rejects prompts beyond its max_model_len (--max-model-len or --vllm-arg max_model_len=)
         context = min(context or limit, limit)
-    return Prepared(target, taps, str(mdir), encoder, header, context, dataset, engine)
+    return Prepared(target, taps, str(mdir), encoder, header, context, dataset, engine,
+                    f"{name}" + (f", {engine.vllm_path} path" if name == "vllm" else "") + f" ({cfg.engine}: {why})")
 
 
 def input_tokens_bound(cfg: RunConfig, dataset: DatasetRef) -> int | None:
@@ -291,7 +292,7 @@ def plan(cfg: RunConfig) -> Summary:
     prep = resume_arithmetic(cfg, prep, m)
     manifest_mod.check_identity(cfg.out, m, prep.header)  # the message the real run gives (old → new values)
     manifest_mod.check_dataset(m, dataclasses.asdict(prep.dataset))
-    summary = Summary(out=cfg.out)
+    summary = Summary(out=cfg.out, engine=prep.engine_choice)
     seen = m.token_hashes() if cfg.filters.dedup else set()
     budget = cfg.max_new_tokens if cfg.responses == "regenerate" else 0
     records = _records(cfg, prep, summary, m.sample_ids(), seen)
@@ -417,7 +418,7 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
                                   started=started)
     except OSError as e:
         raise CaptureError(f"cannot write {provenance.PROVENANCE} in {cfg.out}: {e.strerror or e}") from None
-    summary = Summary(out=cfg.out, executor=executor)
+    summary = Summary(out=cfg.out, executor=executor, engine=prep.engine_choice)
     seen = manifest.token_hashes() if cfg.filters.dedup else set()
     per_token = bytes_per_token(prep.header)
 

@@ -293,8 +293,9 @@ def test_engine_auto_choice():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rule")
 def test_engine_auto_in_a_run(tmp_path, sample_jsonl):
     """The driver's estimate: --limit rows x --max-tokens (2,048 without it) and a local file's bytes / 4;
-    the choice is logged; a resume keeps the engine its run was captured with."""
+    the choice and its reason are in the summary; a resume keeps the engine its run was captured with."""
     import importlib.util
+    import json
 
     from conftest import capture_cli
 
@@ -311,8 +312,8 @@ def test_engine_auto_in_a_run(tmp_path, sample_jsonl):
     out = tmp_path / "r"
     small = capture_cli("run", "--out", str(out), "--limit", "2", "--max-tokens", "200", "--overlength", "truncate",
                         "--no-progress", check=True)
-    assert "engine auto: hf (at most ~400 input tokens" in small.stderr
-    plan = capture_cli("run", "--out", str(out), "--limit", "300", "--dry-run", "--no-progress", check=True)
-    assert "engine auto: hf (the run in" in plan.stderr and "a resume keeps its engine" in plan.stderr
+    assert "engine: hf (auto: at most ~400 input tokens" in small.stdout
+    plan = capture_cli("run", "--out", str(out), "--limit", "300", "--dry-run", "--json", "--no-progress", check=True)
+    assert json.loads(plan.stdout)["engine"].startswith(f"hf (auto: the run in {out} was captured with it")
     fresh = capture_cli("run", "--out", str(tmp_path / "p"), "--limit", "300", "--dry-run", "--no-progress", check=True)
-    assert "engine auto: vllm (up to ~614,400 input tokens on a CPU" in fresh.stderr
+    assert "engine: vllm, extract path (auto: up to ~614,400 input tokens on a CPU" in fresh.stdout
