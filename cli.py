@@ -189,9 +189,9 @@ def targets(as_json: bool) -> None:
 @click.option("--max-unit-attempts", type=int, help="Failures of a work unit before it is split; a single record "
               "that fails this often is quarantined (default 3).")
 @click.option("--engine", type=ENGINE,
-              help="hf (transformers), vllm, exl3 (exllamav3, CUDA only, prefill only), or auto (default: vllm "
-                   "when installed and a GPU is visible; on a CPU vllm for runs of ~300k+ input tokens, whose "
-                   "1-2.5 min load it repays at ~2.8x the hf engine's tokens/s; else hf; the choice is logged).")
+              help="hf (transformers), vllm, exl3 (exllamav3, CUDA only, prefill only), or auto (default: the "
+                   "engine an engine-specific option names, else vllm when installed and a GPU is visible, else hf; "
+                   "a resume keeps the run's engine; the summary says which ran and why).")
 @click.option("--dtype", "compute_dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
               help="The hf engine's arithmetic; states are stored in the target's dtype either way (default auto: "
                    "the target's dtype where the CPU computes it natively or on cuda, else float32; a resume keeps the run's).")

@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import time
-from pathlib import Path
 
 import pyarrow.fs as pafs
 
@@ -105,15 +104,12 @@ class Prepared:
 def prepare(cfg: RunConfig) -> Prepared:
     """Resolve target, taps, dataset, model folder, tokenizer and run header (no engine loaded): every
     user error is raised here, before anything is written."""
-    target = resolve_target(cfg.target)
-    dataset = resolve_dataset(cfg.dataset, cfg.split)
     given = {"compute_dtype": cfg.compute_dtype != "auto", "device": cfg.device != "auto",
              "gpus_per_replica": cfg.gpus_per_replica is not None,
              "vllm_path": cfg.vllm_path != "auto", "tp": cfg.tp != 1, "max_model_len": cfg.max_model_len is not None,
              "gpu_memory_utilization": cfg.gpu_memory_utilization is not None, "vllm_args": bool(cfg.vllm_args)}
     taken = {n: any(given[o] for o in engine_class(n).capabilities.options) for n in ("hf", "vllm")}
-    name, why = resolve_engine(cfg.engine, input_tokens_bound(cfg, dataset), target.architecture, taken["hf"],
-                               taken["vllm"])
+    name, why = resolve_engine(cfg.engine, taken["hf"], taken["vllm"])
     ran = run_engine(cfg.out) if cfg.engine == "auto" else None
     if ran and ran != name:  # the states of one run come from one engine
         name, why = ran, f"the run in {cfg.out} was captured with it; a resume keeps its engine"
@@ -124,7 +120,9 @@ def prepare(cfg: RunConfig) -> Prepared:
         from capture.engines.exl3 import check_exl3
 
         check_exl3()
+    target = resolve_target(cfg.target)
     taps = make_taps(target, cfg.layers, cfg.final)
+    dataset = resolve_dataset(cfg.dataset, cfg.split)
     mdir = model_dir(target, cfg.model_path)
     template_file = cfg.chat_template or packaged_template(target.chat_template)  # GLM presets: glm.jinja
     encoder = load_encoder(str(mdir), chat_template_file=template_file, system_prompt=cfg.system_prompt,
@@ -169,20 +167,8 @@ def prepare(cfg: RunConfig) -> Prepared:
     if limit:  # vLLM rejects prompts beyond its max_model_len (--max-model-len or --vllm-arg max_model_len=)
         context = min(context or limit, limit)
     return Prepared(target, taps, str(mdir), encoder, header, context, dataset, engine,
-                    f"{name}" + (f", {engine.vllm_path} path" if name == "vllm" else "") + f" ({cfg.engine}: {why})")
-
-
-def input_tokens_bound(cfg: RunConfig, dataset: DatasetRef) -> int | None:
-    """An estimate of a run's input tokens, for ``--engine auto`` (None: unbounded or unknown): the least
-    of ``--limit`` rows times ``--max-tokens`` (2,048 when not given; the demo's ShareGPT rows average
-    1,444: bench/demo_run.out) and, for a dataset on this disk, its bytes / 4 (a token is ~4 bytes of
-    English text; JSON markup makes this an overestimate)."""
-    bounds = [cfg.limit * (cfg.filters.max_tokens or 2048)] if cfg.limit is not None else []
-    if dataset.kind != "hub":
-        path = Path(dataset.path)
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
-        bounds.append(size // 4)
-    return min(bounds) if bounds else None
+                    f"{name}" + (f", {engine.vllm_path} path" if name == "vllm" else "")
+                    + f" ({'auto: ' if cfg.engine == 'auto' else ''}{why})")
 
 
 def run_engine(out: str) -> str | None:

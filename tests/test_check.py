@@ -1,7 +1,7 @@
 """`capture shards check`: real SmolLM2 runs pass against an independent float32 HF forward (post-norm and
 pre-norm final, every codec); runs whose states were corrupted before encoding fail, naming the tap and
 rows: zeros in one tap, one tap taken from the neighbouring layer, the final state stored pre-norm but
-labelled post-norm, and values overflowed to inf (as an fp16 overflow gives) that bypassed validation."""
+labelled post-norm, and inf / NaN made by an fp16 overflow that bypassed validation."""
 
 import dataclasses
 import json
@@ -72,8 +72,10 @@ def test_corrupted_states_fail_naming_tap_and_rows(layered_run, smol_dir, tmp_pa
         s["tap_15"] = s["tap_14"].clone()  # the neighbouring layer's output
         s["final"] = s["tap_29"].clone()  # pre-norm, labelled post-norm
         if row.sample_id == first:  # an fp16 overflow that slipped past validation, in one row
+            big = torch.full((4,), 60000.0, dtype=torch.float16)
+            inf = big + big  # fp16 overflows to inf (max 65504) ...
             s["tap_29"] = s["tap_29"].clone()
-            s["tap_29"][0, :8] = float("inf")
+            s["tap_29"][0, :4], s["tap_29"][0, 4:8] = inf, inf - inf  # ... and inf - inf is NaN
         return dataclasses.replace(row, states=s)
 
     rewrite(layered_run, bad, mutate)

@@ -269,51 +269,42 @@ def test_device_choice_for_the_hf_engine(smol_dir, tmp_path):
 
 
 def test_engine_auto_choice():
-    """``--engine auto``: vLLM on a GPU; on a CPU vLLM only for runs long enough to pay for its load and
-    architectures vLLM-CPU runs; an engine-specific option decides; every choice comes with its reason."""
+    """``--engine auto``: an engine-specific option decides; else vLLM on a GPU, the hf engine on a CPU;
+    every choice comes with its reason."""
     import importlib.util
 
-    from capture.engines import CPU_VLLM_MIN_TOKENS, resolve_engine
+    from capture.engines import resolve_engine
 
-    assert resolve_engine("hf", None, "llama", cuda=True) == ("hf", "asked for")
+    assert resolve_engine("hf", cuda=True) == ("hf", "asked for")
+    assert resolve_engine("auto", hf_options=True, cuda=True) == ("hf", "an hf-only option was given")
     if importlib.util.find_spec("vllm") is None:
-        assert resolve_engine("auto", None, "llama", cuda=True) == ("hf", "vLLM is not installed")
+        assert resolve_engine("auto", cuda=True) == ("hf", "vLLM is not installed")
         return
-    assert resolve_engine("auto", 0, "llama", cuda=True)[0] == "vllm"
-    name, why = resolve_engine("auto", 60 * 2048, "llama", cuda=False)
-    assert name == "hf" and "~122,880 input tokens: below 300,000" in why
-    assert resolve_engine("auto", CPU_VLLM_MIN_TOKENS, "llama", cuda=False)[0] == "vllm"
-    name, why = resolve_engine("auto", None, "llama", cuda=False)
-    assert name == "vllm" and why.startswith("an unbounded run on a CPU")
-    assert resolve_engine("auto", None, "glm_moe_dsa", cuda=False) == ("hf", "vLLM-CPU cannot run glm_moe_dsa")
-    assert resolve_engine("auto", None, "llama", hf_options=True, cuda=False)[0] == "hf"
-    assert resolve_engine("auto", 10, "llama", vllm_options=True, cuda=False)[0] == "vllm"
+    assert resolve_engine("auto", cuda=True)[0] == "vllm"
+    name, why = resolve_engine("auto", cuda=False)
+    assert name == "hf" and "faster end to end than vLLM-CPU" in why
+    assert resolve_engine("auto", vllm_options=True, cuda=False) == ("vllm", "a vLLM option was given")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rule")
-def test_engine_auto_in_a_run(tmp_path, sample_jsonl):
-    """The driver's estimate: --limit rows x --max-tokens (2,048 without it) and a local file's bytes / 4;
-    the choice and its reason are in the summary; a resume keeps the engine its run was captured with."""
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU choice")
+def test_engine_auto_in_a_run(tmp_path):
+    """The choice and its reason are in the summary (text and --json); a vLLM-only option picks vLLM; a
+    resume keeps the engine its run was captured with."""
     import importlib.util
     import json
 
     from conftest import capture_cli
 
-    from capture.config import RunConfig
-    from capture.data import resolve_dataset
-    from capture.driver import input_tokens_bound
-
-    local = resolve_dataset(str(sample_jsonl))
-    assert input_tokens_bound(RunConfig(out="x", limit=300), resolve_dataset("sharegpt")) == 300 * 2048
-    assert input_tokens_bound(RunConfig(out="x"), local) == sample_jsonl.stat().st_size // 4 < 300_000
-    assert input_tokens_bound(RunConfig(out="x"), resolve_dataset("mlabonne/open-perfectblend")) is None
-    if importlib.util.find_spec("vllm") is None:
-        return
     out = tmp_path / "r"
     small = capture_cli("run", "--out", str(out), "--limit", "2", "--max-tokens", "200", "--overlength", "truncate",
                         "--no-progress", check=True)
-    assert "engine: hf (auto: at most ~400 input tokens" in small.stdout
-    plan = capture_cli("run", "--out", str(out), "--limit", "300", "--dry-run", "--json", "--no-progress", check=True)
-    assert json.loads(plan.stdout)["engine"].startswith(f"hf (auto: the run in {out} was captured with it")
-    fresh = capture_cli("run", "--out", str(tmp_path / "p"), "--limit", "300", "--dry-run", "--no-progress", check=True)
-    assert "engine: vllm, extract path (auto: up to ~614,400 input tokens on a CPU" in fresh.stdout
+    assert "engine: hf (auto: no CUDA device" in small.stdout
+    if importlib.util.find_spec("vllm") is None:
+        return
+    plan = capture_cli("run", "--out", str(tmp_path / "p"), "--limit", "2", "--max-model-len", "512", "--dry-run",
+                       "--json", "--no-progress", check=True)
+    assert json.loads(plan.stdout)["engine"] == "vllm, extract path (auto: a vLLM option was given)"
+    again = capture_cli("run", "--out", str(out), "--limit", "3", "--max-model-len", "512", "--dry-run", "--json",
+                        "--no-progress")
+    assert again.returncode == 2 and "--max-model-len applies only to the vllm engine; this run uses hf (--engine " \
+        f"auto: the run in {out} was captured with it; a resume keeps its engine)" in again.stderr

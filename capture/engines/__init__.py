@@ -42,41 +42,29 @@ def engine_class(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
-# On a CPU, vLLM-CPU captures ~2.8x the hf engine's tokens/s once loaded (bench/vllm_capture.out: 2,547 vs
-# 917) but takes 1-2.5 min to load and starts Ray: it pays off from ~100-200k tokens. --engine auto picks it
-# for runs of at least this many input tokens (an upper estimate, capture.driver.input_tokens_bound).
-CPU_VLLM_MIN_TOKENS = 300_000
-# architectures vLLM-CPU cannot run (docs/glm.md: DSA sparse attention, Triton-only linear attention)
-CPU_VLLM_REFUSES = ("glm_moe_dsa", "glm5_next")
-
-
-def resolve_engine(name: str, tokens: int | None = 0, architecture: str = "", hf_options: bool = False,
-                   vllm_options: bool = False, cuda: bool | None = None) -> tuple[str, str]:
-    """``--engine`` → ``(engine, why)``; a named engine is returned as given. ``auto`` picks ``vllm``
-    when vLLM is installed and either a CUDA device is visible (``cuda``; default torch's answer) or, on
-    a CPU, the run is long enough for vLLM-CPU's load to pay off (``tokens``: an upper estimate of the
-    input tokens, None = unbounded; at least :data:`CPU_VLLM_MIN_TOKENS`) and vLLM-CPU runs
-    ``architecture``; else ``hf``. ``hf_options`` / ``vllm_options``: an option only that engine takes
-    was given (it decides)."""
+def resolve_engine(name: str, hf_options: bool = False, vllm_options: bool = False,
+                   cuda: bool | None = None) -> tuple[str, str]:
+    """``--engine`` → ``(engine, why)``; a named engine is returned as given. ``auto``: an option only one
+    engine takes decides (``hf_options``: ``--dtype``/``--device``/``--gpus-per-replica``; ``vllm_options``:
+    ``--tp``, ``--vllm-arg``, ...); else ``vllm`` when vLLM is installed and a CUDA device is visible
+    (``cuda``; default torch's answer), else ``hf``. Not vLLM-CPU: measured end to end on the demo (300
+    ShareGPT rows, 2 cores) it took longer than the hf engine, although its engine calls alone run ~2.8x
+    faster (bench/demo_run.out, bench/vllm_capture.out)."""
     if name != "auto":
         return name, "asked for"
-    if not importlib.util.find_spec("vllm"):
-        return "hf", "vLLM is not installed"
-    if hf_options or vllm_options:
+    vllm = importlib.util.find_spec("vllm") is not None
+    if hf_options or (vllm_options and vllm):
         return ("hf", "an hf-only option was given") if hf_options else ("vllm", "a vLLM option was given")
+    if not vllm:
+        return "hf", "vLLM is not installed"
     if cuda is None:
         import torch
 
         cuda = torch.cuda.is_available()
     if cuda:
         return "vllm", "vLLM is installed and a CUDA device is visible"
-    if architecture in CPU_VLLM_REFUSES:
-        return "hf", f"vLLM-CPU cannot run {architecture}"
-    if tokens is not None and tokens < CPU_VLLM_MIN_TOKENS:
-        return "hf", (f"at most ~{tokens:,} input tokens: below {CPU_VLLM_MIN_TOKENS:,}, vLLM-CPU's 1-2.5 min load "
-                      "would not pay off (bench/vllm_capture.out)")
-    return "vllm", (f"{'an unbounded run' if tokens is None else f'up to ~{tokens:,} input tokens'} on a CPU: "
-                    "vLLM-CPU captures ~2.8x the hf engine's tokens/s once loaded (bench/vllm_capture.out)")
+    return "hf", ("no CUDA device: on a CPU the hf engine captured the demo faster end to end than vLLM-CPU "
+                  "(bench/demo_run.out)")
 
 
 def vllm_engine_args(tp: int, max_model_len: int | None, gpu_memory_utilization: float | None,
