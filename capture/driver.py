@@ -101,6 +101,11 @@ class Prepared:
     engine_choice: str = ""  # which engine (and vLLM path) runs, and why: "vllm, extract path (auto: ...)"
 
 
+def _flag(option: str) -> str:
+    """The command-line flag of an engine option (``compute_dtype`` → ``--dtype``)."""
+    return {"vllm_args": "--vllm-arg", "compute_dtype": "--dtype"}.get(option, "--" + option.replace("_", "-"))
+
+
 def prepare(cfg: RunConfig) -> Prepared:
     """Resolve target, taps, dataset, model folder, tokenizer and run header (no engine loaded): every
     user error is raised here, before anything is written."""
@@ -108,11 +113,11 @@ def prepare(cfg: RunConfig) -> Prepared:
              "gpus_per_replica": cfg.gpus_per_replica is not None,
              "vllm_path": cfg.vllm_path != "auto", "tp": cfg.tp != 1, "max_model_len": cfg.max_model_len is not None,
              "gpu_memory_utilization": cfg.gpu_memory_utilization is not None, "vllm_args": bool(cfg.vllm_args)}
-    taken = {n: any(given[o] for o in engine_class(n).capabilities.options) for n in ("hf", "vllm")}
+    taken = {n: tuple(_flag(o) for o in engine_class(n).capabilities.options if given[o]) for n in ("hf", "vllm")}
     name, why = resolve_engine(cfg.engine, taken["hf"], taken["vllm"])
     ran = run_engine(cfg.out) if cfg.engine == "auto" else None
     if ran and ran != name:  # the states of one run come from one engine
-        name, why = ran, f"the run in {cfg.out} was captured with it; a resume keeps its engine"
+        name, why = ran, f"the run in {cfg.out} was started with it; a resume keeps its engine"
     if cfg.topk and not engine_class(name).capabilities.topk:  # an engine that cannot give top-K, wherever it runs
         takers = " or ".join(n for n in NAMES[1:] if engine_class(n).capabilities.topk)
         raise CaptureError(f"--topk {cfg.topk}: the {name} engine cannot give top-K log-probabilities; use the {takers} engine")
@@ -136,10 +141,9 @@ def prepare(cfg: RunConfig) -> Prepared:
     caps = engine_class(name).capabilities
     foreign = [name for name, set_ in given.items() if set_ and name not in caps.options]
     if foreign:  # refused, not silently ignored
-        flag = {"vllm_args": "--vllm-arg", "compute_dtype": "--dtype"}.get(foreign[0], "--" + foreign[0].replace("_", "-"))
         takers = [n for n in NAMES[1:] if foreign[0] in engine_class(n).capabilities.options]
         why = f" (--engine auto: {why})" if cfg.engine == "auto" else ""
-        raise CaptureError(f"{flag} applies only to the {' and '.join(takers)} engine; this run uses {name}{why}")
+        raise CaptureError(f"{_flag(foreign[0])} applies only to the {' and '.join(takers)} engine; this run uses {name}{why}")
     engine = engine_spec(name, cfg.vllm_path, vllm_args, model_cfg, cfg.compute_dtype,
                          caps.state_dtype or target.dtype, cfg.device, cfg.gpus_per_replica, taps.final != "none")
     if cfg.responses == "regenerate" and not caps.generates:

