@@ -213,6 +213,9 @@ def targets(as_json: bool) -> None:
               "exit 1 when they fail (default 8 for vllm; 0 = off for hf and exl3, whose EXL3 weights transformers "
               "cannot load).")
 @click.option("--disk-reserve", help="Free space to keep on the output disk, e.g. 1GiB (default 64MiB).")
+@click.option("--retain", type=int, help="Tail mode with bounded disk: keep at most N committed shards; shards every "
+              "reader rank acked (ShardStream.ack) are removed, and the run waits for acks when N are on disk "
+              "(default: keep every shard).")
 @click.option("--dry-run", is_flag=True, default=None, help="Print the plan (records, tokens, bytes); write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
@@ -255,6 +258,10 @@ def _print_summary(s: dict) -> None:
                    f"{s['shards']} shard(s), {s['committed_bytes'] / 2**20:,.1f} MiB in {s['seconds']} s; "
                    f"run total {s['total_rows']} rows, {s['total_tokens']:,} tokens")
     click.echo(f"rows read {s['rows_read']}, already committed {s['already_committed']}, kept {s['kept']}")
+    if s["retained"]:
+        r = s["retained"]
+        click.echo(f"retain {r['limit']}: removed {r['removed_shards']} consumed shard(s) ({r['removed_rows']} rows), "
+                   f"at most {r['peak_live']} committed shard(s) on disk, {r['wait_seconds']:.1f} s waiting for readers")
     if s["engine"]:
         click.echo(f"engine: {s['engine']}")
     if s["timings"]:
@@ -341,6 +348,9 @@ def shards_verify(run_dir, as_json) -> None:
             click.echo(f"FAIL {p}")
         if r["garbage"]:
             click.echo(f"note: {len(r['garbage'])} uncommitted file(s) (not part of the run; `capture shards gc`)")
+        if r["removed_shards"]:
+            click.echo(f"note: {r['removed_shards']} shard(s), {r['removed_rows']} rows removed after every reader "
+                       "consumed them (--retain): not checked")
         state = "complete" if r["complete"] else "incomplete (no completion record yet)"
         verdict = "OK" if not r["problems"] else f"{len(r['problems'])} problem(s)"
         click.echo(f"{verdict}: {r['shards']} shards, {r['rows']} rows, {r['tokens']:,} tokens; run {state}")

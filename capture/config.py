@@ -96,6 +96,9 @@ class RunConfig:
     # vllm and exl3 engines, 0 (off) for hf
     self_check: int | None = None
     disk_reserve: int = 64 * 2**20  # bytes kept free on the output disk beyond the next unit's estimate
+    # tail mode with bounded disk: at most this many committed shards on disk; shards every reader rank
+    # acked are removed, and the run waits for acks (shards.retain). None: keep every shard
+    retain: int | None = None
     dry_run: bool = False
     progress: bool = True
 
@@ -117,6 +120,7 @@ _CHOICES = {
 _INTS = {  # field: smallest allowed value (None allowed where the default is None)
     "limit": 0, "skip": 0, "shard_size": 1, "batch_tokens": 1, "unit_tokens": 1, "first_unit_tokens": 1, "replicas": 1, "cpus_per_replica": 1,
     "codec_threads": 1, "disk_reserve": 0, "self_check": 0, "gpus_per_replica": 1, "max_unit_attempts": 1, "max_new_tokens": 1, "seed": 0, "tp": 1, "max_model_len": 1,
+    "retain": 1,
 }
 
 
@@ -139,7 +143,7 @@ def _validate(cfg: "RunConfig") -> None:
             bad(name, getattr(cfg, name), "one of " + ", ".join(c for c in choices if c))
     for name, low in _INTS.items():
         value = getattr(cfg, name)
-        if not (value is None and name in ("limit", "cpus_per_replica", "max_model_len", "self_check", "gpus_per_replica")) and not (_is_int(value) and value >= low):
+        if not (value is None and name in ("limit", "cpus_per_replica", "max_model_len", "self_check", "gpus_per_replica", "retain")) and not (_is_int(value) and value >= low):
             bad(name, value, f"an integer >= {low}")
     from shards.topk import MAX_K
 

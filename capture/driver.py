@@ -47,6 +47,7 @@ from shards import topk as topk_mod
 from shards import format as shard_format
 from shards import manifest as manifest_mod
 from shards.format import RunHeader
+from shards.retain import Retention
 from shards.run import LOCK, Location, resolve
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,9 @@ class Summary:
     executor: str = ""  # where the replicas ran: "ray" (actors) or "local" (the driver's process)
     self_check: dict | None = None  # --self-check: provenance.check's verdict on rows of this run (None: not run)
     engine: str = ""  # the engine that ran (or would run) and why: Prepared.engine_choice
+    # --retain N: limit, removed_shards, removed_rows (by this invocation), peak_live (most committed shards
+    # on disk), wait_seconds (waiting for reader acks); None without --retain
+    retained: dict | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -435,16 +439,20 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
     rejected: collections.Counter = collections.Counter()
     prefilled = [0]  # rows through the engine (committed once their shard closes)
 
+    retention = None if cfg.retain is None else Retention(loc, writer, cfg.retain, on_wait=progress.tick)
+
     def commit(infos) -> None:
-        t0 = time.perf_counter()
+        t0, waited = time.perf_counter(), retention.wait_seconds if retention else 0.0
         for info in infos:
+            if retention is not None and retention.make_room():
+                progress.status("capturing")
             writer.commit(info)
             summary.shards += 1
             summary.committed_rows += info.rows
             summary.committed_tokens += info.tokens
             summary.committed_loss_tokens += info.loss_tokens
             summary.committed_bytes += info.bytes
-        timings.commit += time.perf_counter() - t0
+        timings.commit += time.perf_counter() - t0 - ((retention.wait_seconds - waited) if retention else 0.0)
 
     def on_result(result) -> None:
         rejected.update(result.rejected.values())
@@ -482,6 +490,10 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
             timings.engine = sum(s.engine_seconds for s in pool.stats)
             timings.write = sum(s.write_seconds for s in pool.stats)
         summary.timings = timings.as_dict()
+        if retention is not None:
+            summary.retained = {"limit": cfg.retain, "removed_shards": retention.removed_shards,
+                                "removed_rows": retention.removed_rows, "peak_live": retention.peak_live,
+                                "wait_seconds": round(retention.wait_seconds, 2)}
     summary.rejected = dict(rejected)
     manifest_now = manifest_mod.read(loc)
     summary.total_rows = manifest_now.rows
@@ -512,6 +524,7 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
         "total_rows": summary.total_rows,
         "total_tokens": summary.total_tokens,
         "self_check": summary.self_check,
+        **({"retained": summary.retained} if summary.retained else {}),
     })
     _finish_provenance(loc, record, summary, "complete", ended)
     if summary.total_rows == 0:

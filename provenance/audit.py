@@ -104,6 +104,7 @@ class Report:
     unmatched: list  # Diagnosis dicts
     undiagnosed: int  # unmatched rows beyond max_diagnoses
     index: dict  # memory: keys, bytes, peak bytes
+    removed: dict = dataclasses.field(default_factory=dict)  # --retain: shards, rows deleted after reading (not audited)
 
     @property
     def ok(self) -> bool:
@@ -207,6 +208,7 @@ def audit(run_dir: str | os.PathLike | Location, reference: str, *, source_colum
         engine_rows=engine_rows,
         unmatched=[dataclasses.asdict(d) for d, _ in pending],
         undiagnosed=undiagnosed,
+        removed={"shards": len(manifest.removed), "rows": sum(s["rows"] for s in manifest.removed.values())},
         index={"whole_keys": len(index.whole_keys), "prefix_keys": len(index.prefix_keys),
                "bytes": index.index_bytes, "peak_bytes": index.peak_index_bytes},
     )
@@ -347,7 +349,9 @@ def markdown(r: Report) -> str:
            f"conversations, {ref['tokenized']:,} tokenized with the run's chat template."
            + (f" The file ends mid-record: {ref['truncated']}" if ref["truncated"] else ""),
            f"Captured: {cap['rows']:,} conversations, {cap['tokens']:,} tokens ({cap['loss_tokens']:,} supervised)."
-           + ("" if r.complete else " The run has no completion record yet: this covers the rows committed so far."),
+           + ("" if r.complete else " The run has no completion record yet: this covers the rows committed so far.")
+           + (f" Not audited: {r.removed['rows']:,} rows in {r.removed['shards']:,} shard(s) that the run removed after "
+              "its readers consumed them (--retain)." if r.removed.get("rows") else ""),
            "", "| category | conversations | tokens | supervised tokens |", "|---|---:|---:|---:|"]
     out += [f"| {c} | {v['rows']:,} | {v['tokens']:,} | {v['loss_tokens']:,} |" for c, v in r.categories.items()]
     g = r.greedy

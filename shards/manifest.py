@@ -4,7 +4,11 @@ Line 1 is the run header (``{"kind": "header", ...}``, see :func:`shards.format.
 committed by appending one ``{"kind": "shard", ...}`` line (path, rows, tokens, loss tokens, bytes,
 sha256, sample ids, token hashes) with an fsync: a shard file no line names is not part of the run.
 A finished run appends ``{"kind": "complete", ...}`` (counts by reason, end time); a resumed or extended
-run appends more shard lines and another completion record. A line torn by a crash (no trailing newline)
+run appends more shard lines and another completion record. A run captured with ``--retain N`` (tail mode
+with bounded disk, :mod:`shards.retain`) appends ``{"kind": "removed", "paths": [...], "reason": ...}``
+before it deletes shards every reader has consumed: those rows stay committed (a resume does not redo
+them; they count in the run's rows), but their files are gone and no reader, ``verify`` or ``audit``
+looks for them. A line torn by a crash (no trailing newline)
 is not committed: readers ignore it and the next writer cuts it off before appending.
 
 Outside a local folder (an object store, see :mod:`shards.run`) nothing can be appended, and rewriting one
@@ -37,19 +41,38 @@ REQUIRED = {  # keys each kind of line must have
     "shard": ("path", "rows", "tokens", "loss_tokens", "bytes", "sha256", "sample_ids", "token_sha256"),
     "dataset": ("dataset",),
     "complete": (),
+    "removed": ("paths", "reason"),
 }
 
 
 @dataclasses.dataclass
 class Manifest:
-    """A parsed manifest. ``committed_bytes``: length of its complete lines (a torn tail lies beyond)."""
+    """A parsed manifest. ``committed_bytes``: length of its complete lines (a torn tail lies beyond).
+
+    ``shards``: the committed shards whose files the run still holds, in commit order (what every reader
+    reads); ``removed``: the committed shards deleted after their readers consumed them (``--retain``),
+    path → shard line; ``all_shards``: both, in commit order (what a tail-mode reader's order is made of).
+    ``rows``, ``tokens``, :meth:`sample_ids` and :meth:`token_hashes` count every committed shard, removed
+    ones too: their rows were captured once and a resume must not capture them again.
+    """
 
     header: RunHeader | None
-    shards: list[dict]
+    all_shards: list[dict]
     completions: list[dict]
     committed_bytes: int
     last_kind: str | None = None
     datasets: list[dict] = dataclasses.field(default_factory=list)  # every dataset the run has read
+    removals: list[dict] = dataclasses.field(default_factory=list)  # the "removed" lines, in order
+
+    @property
+    def removed(self) -> dict[str, dict]:
+        gone = {p for r in self.removals for p in r["paths"]}
+        return {s["path"]: s for s in self.all_shards if s["path"] in gone}
+
+    @property
+    def shards(self) -> list[dict]:
+        gone = {p for r in self.removals for p in r["paths"]}
+        return [s for s in self.all_shards if s["path"] not in gone]
 
     @property
     def complete(self) -> bool:
@@ -57,18 +80,18 @@ class Manifest:
         return self.last_kind == "complete"
 
     def sample_ids(self) -> set[str]:
-        return {s for shard in self.shards for s in shard["sample_ids"]}
+        return {s for shard in self.all_shards for s in shard["sample_ids"]}
 
     def token_hashes(self) -> set[str]:
-        return {h for shard in self.shards for h in shard["token_sha256"]}
+        return {h for shard in self.all_shards for h in shard["token_sha256"]}
 
     @property
     def rows(self) -> int:
-        return sum(s["rows"] for s in self.shards)
+        return sum(s["rows"] for s in self.all_shards)
 
     @property
     def tokens(self) -> int:
-        return sum(s["tokens"] for s in self.shards)
+        return sum(s["tokens"] for s in self.all_shards)
 
 
 def read(run: str | os.PathLike | Location) -> Manifest:
@@ -86,7 +109,7 @@ def parse(data: bytes, path: str = MANIFEST) -> Manifest:
     """Parse the bytes of a manifest (read from any file system); ``path`` names it in errors.
     Raises CaptureError as :func:`read` does."""
     end = data.rfind(b"\n") + 1  # everything after the last newline is a torn, uncommitted line
-    header, shards, completions, datasets = None, [], [], []
+    header, shards, completions, datasets, removals = None, [], [], [], []
     kind = None
     for i, line in enumerate(data[:end].splitlines()):
         try:
@@ -108,7 +131,9 @@ def parse(data: bytes, path: str = MANIFEST) -> Manifest:
             datasets.append(entry["dataset"])
         elif kind == "complete":
             completions.append(entry)
-    return Manifest(header, shards, completions, end, kind, datasets)
+        elif kind == "removed":
+            removals.append(entry)
+    return Manifest(header, shards, completions, end, kind, datasets, removals)
 
 
 def check_dataset(manifest: Manifest, ref: dict) -> bool:
@@ -162,6 +187,11 @@ class ManifestWriter:
 
     def complete(self, record: dict) -> None:
         self.log.append({"kind": "complete", **record})
+
+    def removed(self, paths: list[str], reason: str) -> None:
+        """Record that the shards ``paths`` are about to be deleted and why (before deleting them: a crash
+        in between leaves files no live line names, which ``gc`` removes, never a line naming a missing file)."""
+        self.log.append({"kind": "removed", "paths": list(paths), "reason": reason})
 
     def dataset(self, manifest: Manifest, ref: dict) -> None:
         """Record the dataset a run reads, once (see :func:`check_dataset`)."""

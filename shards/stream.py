@@ -59,7 +59,11 @@ own shared state (it does not follow the original).
 when the manifest's last line is a completion record and every committed shard is read. Shards come in
 commit order (shard permutation needs the whole list; the shuffle buffer still applies). ``timeout_s``:
 raise CaptureError when no new commit arrives for that long. ``drop_last`` needs the total and is
-refused in tail mode.
+refused in tail mode. **Bounded disk**: against a capture run with ``--retain N`` each rank calls
+:meth:`ShardStream.ack` after it saved a checkpoint, and the capture deletes the shards every rank is done
+with (:mod:`shards.retain`: the rules, and how large N must be). Removed shards keep their place in the
+order (their rows count for positions), so a stream restored from an acked state reads on; one behind its
+ack raises CaptureError naming the removed shard. An offline (non-tail) stream reads the shards left.
 
 **Remote runs.** ``run`` is a path, a URI (``s3://…``, ``gs://…``, ``objstore+file://…``) or a
 :class:`shards.run.Location` (any ``pyarrow.fs.FileSystem`` and a path on it). A shard is an Arrow IPC *stream* (no random access), so a reader fetches each shard it touches
@@ -69,8 +73,10 @@ paged in.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
+import logging
 import os
 import random
 import time
@@ -83,10 +89,13 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from capture.errors import CaptureError
 from shards import manifest as manifest_mod
+from shards import retain
 from shards.format import FINAL, RunHeader, tap_column
 from shards.rows import read_row, topk_arrays
 from shards.topk import IDS as TOPK_IDS, LOGPROBS as TOPK_LOGPROBS
 from shards.run import Location, as_location
+
+log = logging.getLogger(__name__)
 
 SPLITS = ("train", "heldout", "all")
 _EPOCH, _POSITION, _SHARDS = 0, 1, 2  # slots of ShardStream._shared
@@ -168,6 +177,10 @@ class ShardStream(IterableDataset):
             raise CaptureError(f"{run} holds no capture run (no {self.location.manifest_name} with a header)")
         self.header: RunHeader = manifest.header
         self._snapshot: list[dict] = [] if tail else list(manifest.shards)
+        if manifest.removed and not tail:
+            log.warning("%s: %d shard(s) of %d row(s) were removed after their readers consumed them (--retain); "
+                        "reading the %d left", self.location.path, len(manifest.removed),
+                        sum(s["rows"] for s in manifest.removed.values()), len(manifest.shards))
         # epoch, position, shard count: shared with DataLoader workers, persistent ones included (module docstring)
         self._shared = torch.tensor([0, 0, len(self._snapshot)], dtype=torch.int64).share_memory_()
         self._next = 0  # what this process yielded (in-process iteration; each worker counts its own)
@@ -234,7 +247,7 @@ class ShardStream(IterableDataset):
         seen, last_new = 0, time.monotonic()
         while True:
             manifest = manifest_mod.read(self.location)
-            new = manifest.shards[seen:]
+            new = manifest.all_shards[seen:]  # removed ones too: they hold positions of the order
             yield from new
             seen += len(new)
             if new:
@@ -291,9 +304,19 @@ class ShardStream(IterableDataset):
             j = g // self.world_size
             if j < start or (j - start) % workers != wid:  # the DataLoader asks worker 0 first
                 continue
-            sample = self.sample(tables.get(path), row)
+            sample = self.sample(self._table(tables, path), row)
             self._next = j + 1
             yield sample
+
+    def _table(self, tables: "_TableCache", path: str) -> pa.Table:
+        try:
+            return tables.get(path)
+        except (CaptureError, OSError, pa.ArrowIOError):
+            if path in manifest_mod.read(self.location).removed:
+                raise CaptureError(
+                    f"{path} was removed after every reader rank acked it (--retain): this stream is behind the "
+                    "position its rank acked; resume it from the state saved with that ack") from None
+            raise
 
     def sample(self, table: pa.Table, row: int) -> dict:
         """Row ``row`` of a shard table as a sample dict (the module docstring's contract)."""
@@ -332,6 +355,44 @@ class ShardStream(IterableDataset):
         self._shared[_EPOCH], self._shared[_POSITION] = int(state["epoch"]), int(state["position"])
         self._next = self.position
 
+    def ack(self, state: dict | None = None) -> dict:
+        """Acknowledge what this rank consumed, so that a capture run with ``--retain N`` may delete the
+        shards every rank is done with (:mod:`shards.retain`). ``state``: the stream state the trainer just
+        saved with its checkpoint (:meth:`state_dict`; default this object's own). Call it after that
+        checkpoint is durable. Returns the ack written (``done``: the live shards none of whose rows this
+        rank still has to read from ``state["position"]`` on). Raises CaptureError outside tail mode (an
+        offline reader's shards stay) and OSError from the store."""
+        if not self.tail:
+            raise CaptureError("ack() is for tail-mode streams (tail=True): an offline reader never removes shards")
+        state = self.state_dict() if state is None else state
+        if state["rank"] != self.rank or state["world_size"] != self.world_size:
+            raise CaptureError(f"ack: the state is rank {state['rank']} of {state['world_size']}, this stream rank "
+                               f"{self.rank} of {self.world_size}")
+        epoch, position = int(state["epoch"]), int(state["position"])
+        return retain.write_ack(self.location, rank=self.rank, world_size=self.world_size, epoch=epoch,
+                                position=position, done=self.done(epoch, position))
+
+    def done(self, epoch: int, position: int) -> list[str]:
+        """Live shards (in the manifest now) none of whose rows this rank reads at rank-local ``position``
+        of ``epoch`` or later: every row of the shard already left the global order (the shuffle buffer
+        keeps rows back until the run completes) and this rank's ones lie before ``position``. Tail mode
+        only (its order is the commit order); no shard is read."""
+        manifest = manifest_mod.read(self.location)
+        left = collections.Counter()
+        for s in manifest.all_shards:
+            left[s["path"]] += sum(1 for sid in s["sample_ids"] if in_split(sid, self.split, self.heldout_fraction))
+        rows = ((s["path"], i, sid) for s in manifest.all_shards for i, sid in enumerate(s["sample_ids"])
+                if in_split(sid, self.split, self.heldout_fraction))
+        if self.shuffle:
+            rows = _buffer_shuffle(rows, self.shuffle_buffer, random.Random(f"{self.seed}:{epoch}:buffer"),
+                                   flush=manifest.complete)
+        ahead = collections.Counter()  # this rank's rows at or past `position`, per shard
+        for g, (path, _, _) in enumerate(rows):
+            left[path] -= 1
+            if g % self.world_size == self.rank and g // self.world_size >= position:
+                ahead[path] += 1
+        return [s["path"] for s in manifest.shards if left[s["path"]] == 0 and ahead[s["path"]] == 0]
+
     def _order_settings(self) -> dict:
         shards = None if self.tail else {"count": len(self._shards), "fingerprint": _fingerprint(self._shards)}
         return {"seed": self.seed, "shuffle": self.shuffle, "shuffle_buffer": self.shuffle_buffer,
@@ -352,9 +413,10 @@ def _fingerprint(shards: list[dict]) -> str:
     return hashlib.sha256(json.dumps([s["sha256"] for s in shards]).encode()).hexdigest()[:16]
 
 
-def _buffer_shuffle(items, size: int, rng: random.Random):
-    """A bounded shuffle: keep ``size`` items, emit a random one as each new item arrives, then the rest
-    in random order. Deterministic for a given ``rng`` state and input order."""
+def _buffer_shuffle(items, size: int, rng: random.Random, flush: bool = True):
+    """A bounded shuffle: keep ``size`` items, emit a random one as each new item arrives, then (``flush``)
+    the rest in random order. Deterministic for a given ``rng`` state and input order; what it emits
+    before the flush depends only on the items so far (what :meth:`ShardStream.done` relies on)."""
     buffer = []
     for item in items:
         if len(buffer) < size:
@@ -363,8 +425,9 @@ def _buffer_shuffle(items, size: int, rng: random.Random):
         i = rng.randrange(size)
         yield buffer[i]
         buffer[i] = item
-    rng.shuffle(buffer)
-    yield from buffer
+    if flush:
+        rng.shuffle(buffer)
+        yield from buffer
 
 
 class _TableCache:

@@ -24,6 +24,9 @@ def ls(run: str | os.PathLike | Location) -> list[dict]:
 def stat(run: str | os.PathLike | Location) -> dict:
     """Run totals: rows, tokens, supervised tokens, bytes, bytes per token against raw bf16, per source.
 
+    Counts the shards on disk; ``removed`` (only when there are any) the shards a ``--retain`` run deleted
+    after its readers consumed them: shards, rows, tokens.
+
     Reads only the ``source``, token-count, (regenerate runs) ``finish_reasons`` and (``--topk`` runs) the
     top-K columns of each shard (no cell is decompressed); ``finish_reasons`` counts generated turns by
     reason. ``bytes_per_token`` counts whole shard files; ``topk_bytes_per_token`` the two top-K cells
@@ -47,7 +50,7 @@ def stat(run: str | os.PathLike | Location) -> dict:
             per_source[src].update(rows=1, tokens=n, loss_tokens=k)
         if regenerated:
             finished.update(r for reasons in t["finish_reasons"].to_pylist() for r in reasons or ())
-    rows, tokens = m.rows, m.tokens
+    rows, tokens = sum(s["rows"] for s in m.shards), sum(s["tokens"] for s in m.shards)
     nbytes = sum(s["bytes"] for s in m.shards)
     return {
         "run": str(run),
@@ -61,6 +64,8 @@ def stat(run: str | os.PathLike | Location) -> dict:
         "complete": m.complete,
         "last_completion": {k: v for k, v in m.completions[-1].items() if k != "kind"} if m.completions else None,
         "shards": len(m.shards),
+        **({"removed": {"shards": len(m.removed), "rows": sum(s["rows"] for s in m.removed.values()),
+                        "tokens": sum(s["tokens"] for s in m.removed.values())}} if m.removed else {}),
         "rows": rows,
         "tokens": tokens,
         "loss_tokens": sum(s["loss_tokens"] for s in m.shards),

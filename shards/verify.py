@@ -6,7 +6,8 @@ self-consistent (``num_tokens`` = len(input_ids) = len(loss_mask) = len(argmax),
 sum(loss_mask), every state cell decodes to ``[T, H]``, ``token_sha256`` recomputes, ``finish_reasons``
 fits the run's responses mode; a ``--topk K`` run: both top-K cells decode to ``[T, K]``, ids are
 non-negative and distinct within a position, log-probabilities hold no NaN or +inf and do not increase
-along K). Across shards: no sample id twice. Files in the folder that no manifest
+along K). Across shards: no sample id twice (removed shards' ids included). Shards a ``--retain`` run
+removed after every reader consumed them are counted, not checked (their files are gone by design). Files in the folder that no manifest
 line names are reported as garbage, not errors. A run on an object store (a URI, see :mod:`shards.run`)
 is read through its file system.
 """
@@ -38,6 +39,8 @@ class Report:
     problems: list[str] = dataclasses.field(default_factory=list)
     garbage: list[str] = dataclasses.field(default_factory=list)
     complete: bool = False
+    removed_shards: int = 0  # committed shards deleted after their readers consumed them (--retain): not checked
+    removed_rows: int = 0
 
     @property
     def ok(self) -> bool:
@@ -59,6 +62,10 @@ def verify(run_dir: str | os.PathLike | Location) -> Report:
         return report
     report.complete = m.complete
     seen: set[str] = set()
+    for entry in m.removed.values():  # their ids still count: a live shard must not repeat one
+        report.removed_shards += 1
+        report.removed_rows += entry["rows"]
+        seen.update(entry["sample_ids"])
     for entry in m.shards:
         report.shards += 1
         problems = _verify_shard(loc, entry, m.header)

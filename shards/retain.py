@@ -1,0 +1,142 @@
+"""Tail mode with bounded disk: readers acknowledge the shards they consumed, a capture run with
+``--retain N`` deletes the shards every reader rank has consumed and holds at most N committed shards.
+
+**Acks.** A tail-mode :class:`shards.stream.ShardStream` rank writes ``consumed-<rank:05d>.json`` in the
+run folder (:meth:`shards.stream.ShardStream.ack`, one whole-file atomic write): ``{"rank", "world_size",
+"epoch", "position", "done": [shard paths], "time"}``. ``done`` lists the committed shards (not yet
+removed) none of whose rows this rank still has to read at ``position``. A trainer acks *after* it saved
+the checkpoint that holds the same stream state: a restart from that checkpoint never needs a row of a
+shard it acked, so removal keeps exactly-once (a restart from an older checkpoint would need them).
+
+**Removal.** :func:`removable` is the set of live shards that every rank ``0..W-1`` lists as done, where
+``W`` is the world size all acks agree on (a missing rank, or acks of two world sizes, remove nothing).
+:class:`Retention` runs in the capture's driver before each shard commit: while the live committed
+shards would exceed ``N``, it removes what the acks allow (a ``removed`` manifest line first, then the
+files) and otherwise waits, polling, and says so on the progress bar (the trainer is the bottleneck).
+Meanwhile no new work unit goes out, so the replicas stop after the units already queued: on disk are at
+most N committed shards plus, per replica, its open shard and the shards of its queued units (at most
+``in_flight`` units, each far smaller than a shard by default).
+
+One reader group per run: every rank reads the same ``split`` with the same settings. A shard a train
+stream consumed is removed with its held-out rows (``split="heldout"`` readers must read another run, or
+a run without ``--retain``), and a retained run is read once (one epoch): a second epoch would need the
+removed shards.
+
+Deadlock rule: a rank acks only at checkpoints, so N shards must hold more rows than one rank consumes
+between two checkpoints times the world size, plus the shuffle buffer and the DataLoader's prefetch;
+otherwise the capture waits for an ack that needs rows it has not committed. The capture's progress says
+``waiting for readers`` and each rank's last ack, which shows this.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Callable
+
+from capture.errors import CaptureError
+from shards import manifest as manifest_mod
+from shards.run import Location
+
+log = logging.getLogger(__name__)
+
+PREFIX, SUFFIX = "consumed-", ".json"
+
+
+def ack_name(rank: int) -> str:
+    """File name of rank ``rank``'s ack in the run folder."""
+    return f"{PREFIX}{rank:05d}{SUFFIX}"
+
+
+def write_ack(loc: Location, *, rank: int, world_size: int, epoch: int, position: int, done: list[str]) -> dict:
+    """Write rank ``rank``'s ack (module docstring) atomically; returns it. Raises OSError from the store."""
+    ack = {"rank": rank, "world_size": world_size, "epoch": epoch, "position": position, "done": sorted(done),
+           "time": time.time()}
+    loc.write_bytes(ack_name(rank), json.dumps(ack, sort_keys=True).encode())
+    return ack
+
+
+def read_acks(loc: Location) -> dict[int, dict]:
+    """Every rank's last ack, by rank; an unreadable ack file (a store without atomic writes mid-write)
+    is skipped with a warning and read again at the next poll."""
+    acks = {}
+    for name in loc.names():
+        if not (name.startswith(PREFIX) and name.endswith(SUFFIX)):
+            continue
+        try:
+            ack = json.loads(loc.read_bytes(name))
+            acks[int(ack["rank"])] = ack
+        except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
+            log.warning("%s: unreadable ack %s (%s); ignored until it is rewritten", loc.path, name, e)
+    return acks
+
+
+def removable(manifest: manifest_mod.Manifest, acks: dict[int, dict]) -> list[str]:
+    """Live shards of ``manifest`` that every rank lists as done, in commit order (module docstring)."""
+    sizes = {int(a["world_size"]) for a in acks.values()}
+    if len(sizes) != 1:
+        return []
+    (world,) = sizes
+    if set(acks) != set(range(world)):
+        return []
+    done = set.intersection(*(set(a["done"]) for a in acks.values()))
+    return [s["path"] for s in manifest.shards if s["path"] in done]
+
+
+def waiting_for(acks: dict[int, dict]) -> str:
+    """One line for the progress bar: what the capture waits for."""
+    if not acks:
+        return "no reader has acked yet"
+    worlds = sorted({int(a["world_size"]) for a in acks.values()})
+    missing = [r for r in range(max(worlds)) if r not in acks]
+    if len(worlds) > 1:
+        return f"acks of world sizes {worlds}: remove stale {PREFIX}*.json files"
+    if missing:
+        return f"no ack yet from rank(s) {missing[:4]}"
+    return "ranks at positions " + ", ".join(str(acks[r]["position"]) for r in sorted(acks)[:4])
+
+
+class Retention:
+    """The driver's side (module docstring): call :meth:`make_room` before each commit. ``limit``: N;
+    ``on_wait(status)`` is called at every poll while it waits (the progress bar); ``poll_s``: seconds
+    between reads of the acks. ``removed_shards``/``removed_rows`` count what this run removed."""
+
+    def __init__(self, loc: Location, writer: manifest_mod.ManifestWriter, limit: int, *,
+                 on_wait: Callable[[str], None], poll_s: float = 0.5):
+        if limit < 1:
+            raise CaptureError(f"--retain must be at least 1, got {limit}")
+        self.loc, self.writer, self.limit, self.on_wait, self.poll_s = loc, writer, limit, on_wait, poll_s
+        self.removed_shards = self.removed_rows = self.peak_live = 0
+        self.wait_seconds = 0.0
+
+    def make_room(self) -> bool:
+        """Return once fewer than ``limit`` committed shards are on disk (so one more may commit), removing
+        consumed ones; waits (polling every ``poll_s``, no busy loop) while the readers have not consumed
+        enough. Returns whether it waited."""
+        waited = False
+        while True:
+            manifest = manifest_mod.read(self.loc)
+            live = len(manifest.shards)
+            if live < self.limit:
+                self.peak_live = max(self.peak_live, live + 1)
+                return waited
+            acks = read_acks(self.loc)
+            paths = removable(manifest, acks)
+            if paths:
+                self._remove(manifest, paths, len(acks))
+                continue
+            self.on_wait(f"waiting for readers: {live} shard(s) on disk, --retain {self.limit}; {waiting_for(acks)}")
+            t0 = time.monotonic()
+            time.sleep(self.poll_s)
+            self.wait_seconds += time.monotonic() - t0
+            waited = True
+
+    def _remove(self, manifest: manifest_mod.Manifest, paths: list[str], ranks: int) -> None:
+        rows = sum(s["rows"] for s in manifest.shards if s["path"] in set(paths))
+        self.writer.removed(paths, f"consumed by all {ranks} reader rank(s) (--retain {self.limit})")
+        for path in paths:
+            self.loc.delete(path)
+        self.removed_shards += len(paths)
+        self.removed_rows += rows
+        log.info("removed %d consumed shard(s), %d row(s)", len(paths), rows)
