@@ -10,8 +10,8 @@ folder's bytes on disk and the PSS of the capture's process tree (Ray's daemons 
 plus this process.
 
 Reported per mode: wall seconds from the capture's start to the last step, time to the first step,
-steps and steps/s over that wall time, seconds the consumer spent waiting for data, peak bytes on disk,
-peak memory, shards removed. Writes nothing outside a temporary folder.
+steps and steps/s over that wall time, seconds the consumer spent waiting for data, shards removed and
+seconds the capture waited for acks (retain), peak bytes on disk, peak memory. Writes nothing outside a temporary folder.
 
     python bench/online.py [--rows 48] [--retain 2]
 """
@@ -107,6 +107,7 @@ def one(mode: str, rows: int, retain: int, work: Path) -> dict:
             "peak_pss_mib": sampler.peak_pss / 2**20, "rows": summary["total_rows"],
             "tokens": summary["total_tokens"],
             "removed": (summary.get("retained") or {}).get("removed_shards", 0),
+            "capture_wait_s": (summary.get("retained") or {}).get("wait_seconds", 0.0),
             "shards": summary["shards"]}
 
 
@@ -123,10 +124,10 @@ def main() -> None:
     print(f"{r0['rows']} ShareGPT rows, {r0['tokens']:,} tokens (SmolLM2, taps 3/15/27 + final, bf16-split), "
           f"2 Ray replicas, {psutil.cpu_count()} CPUs; steps = packed batches of <= 2048 tokens, no model")
     print(f"{'mode':14s} {'wall s':>7s} {'1st step s':>10s} {'steps':>6s} {'steps/s':>8s} {'wait s':>7s} "
-          f"{'shards':>6s} {'removed':>7s} {'peak disk MiB':>13s} {'peak PSS MiB':>12s}")
+          f"{'shards':>6s} {'removed':>7s} {'capture wait s':>14s} {'peak disk MiB':>13s} {'peak PSS MiB':>12s}")
     for r in results:
         print(f"{r['mode']:14s} {r['wall_s']:7.1f} {r['first_step_s']:10.1f} {r['steps']:6d} {r['steps_per_s']:8.2f} "
-              f"{r['wait_s']:7.1f} {r['shards']:6d} {r['removed']:7d} {r['peak_disk_mib']:13.1f} {r['peak_pss_mib']:12.0f}")
+              f"{r['wait_s']:7.1f} {r['shards']:6d} {r['removed']:7d} {r['capture_wait_s']:14.1f} {r['peak_disk_mib']:13.1f} {r['peak_pss_mib']:12.0f}")
 
 
 if __name__ == "__main__":
