@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import time
+from typing import Callable
 
 import pyarrow.fs as pafs
 
@@ -43,6 +44,7 @@ from capture.targets import Taps, Target, make_taps, model_dir, resolve_target
 from filters import apply_filters, filter_prompt
 import provenance
 from shards import codecs
+from shards import online
 from shards import topk as topk_mod
 from shards import format as shard_format
 from shards import manifest as manifest_mod
@@ -299,8 +301,13 @@ def plan(cfg: RunConfig) -> Summary:
     return summary
 
 
-def run(cfg: RunConfig) -> Summary:
+def run(cfg: RunConfig, deliver: Callable | None = None) -> Summary:
     """Run (or resume, or extend) the capture described by ``cfg``. Returns the :class:`Summary`.
+
+    ``deliver``: an online run (:mod:`capture.online`): replicas run on Ray in stream mode and each
+    unit's rows go to ``deliver(infos, payload, on_wait)`` instead of shards (``payload`` the handle of
+    the unit's Arrow IPC bytes, :class:`shards.writer.StreamWriter`; ``on_wait(status)`` to call while
+    it blocks); rows acked in ``cfg.out`` (:func:`shards.online.consumed_ids`) count as done.
 
     Raises CaptureError on user errors, on a conflicting existing run, when the disk fills (after a
     clean stop), and when no record at all could be kept.
@@ -330,7 +337,7 @@ def run(cfg: RunConfig) -> Summary:
                                f"({damaged[0]}); `capture shards verify {cfg.out}` lists them: restore them first")
         busy = f"another capture is writing to {cfg.out} (it holds {LOCK}); wait for it or use another --out"
         with loc.lock(busy=busy):
-            return _run_locked(cfg, prep, started, loc, progress, timings)
+            return _run_locked(cfg, prep, started, loc, progress, timings, deliver)
     finally:
         progress.close()
 
@@ -358,8 +365,10 @@ def executor_of(cfg: RunConfig, engine: EngineSpec) -> str:
 
 
 def _run_locked(cfg: RunConfig, prep: Prepared, started: float, loc: Location, progress: Progress,
-                timings: Timings) -> Summary:
-    if executor_of(cfg, prep.engine) == "local":
+                timings: Timings, deliver: Callable | None = None) -> Summary:
+    if deliver is not None and cfg.executor == "local":
+        raise CaptureError("an online run streams rows through Ray: it needs --executor ray or auto")
+    if deliver is None and executor_of(cfg, prep.engine) == "local":
         progress.feed = LocalFeed()
         try:
             return _run_replicas(cfg, prep, started, loc, progress, timings, "local")
@@ -375,7 +384,7 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float, loc: Location, p
                  include_dashboard=False, logging_level=logging.ERROR, log_to_driver=True)
     try:
         progress.feed = feed()
-        return _run_replicas(cfg, prep, started, loc, progress, timings, "ray")
+        return _run_replicas(cfg, prep, started, loc, progress, timings, "ray", deliver)
     finally:
         progress.close()  # the feed's actor goes before Ray does
         if we_started_ray:
@@ -383,7 +392,7 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float, loc: Location, p
 
 
 def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location, progress: Progress,
-                  timings: Timings, executor: str) -> Summary:
+                  timings: Timings, executor: str, deliver: Callable | None = None) -> Summary:
     if executor == "ray":
         import ray
 
@@ -422,7 +431,7 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
     args = (prep.model_dir, prep.taps, prep.header, out)
     kwargs = dict(shard_size=cfg.shard_size, batch_tokens=cfg.batch_tokens, threads=cpus,
                   commit_seconds=cfg.commit_every, codec_threads=cfg.codec_threads, engine=prep.engine,
-                  filters=cfg.filters, feed=progress.feed)
+                  filters=cfg.filters, feed=progress.feed, stream=deliver is not None)
     if executor == "ray":
         gpus = replica_gpus(prep.engine, cfg.tp, ray.cluster_resources().get("GPU", 0))
         actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus)(Replica)
@@ -441,12 +450,16 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
 
     retention = None if cfg.retain is None else Retention(loc, writer, cfg.retain, on_wait=progress.tick)
 
-    def commit(infos) -> None:
+    def commit(infos, payload=None) -> None:
         t0, waited = time.perf_counter(), retention.wait_seconds if retention else 0.0
+        if deliver is not None:  # online: the rows go to a trainer, not to shards
+            deliver(infos, payload, progress.tick)
+            progress.status("capturing")
         for info in infos:
             if retention is not None and retention.make_room():
                 progress.status("capturing")
-            writer.commit(info)
+            if deliver is None:
+                writer.commit(info)
             summary.shards += 1
             summary.committed_rows += info.rows
             summary.committed_tokens += info.tokens
@@ -467,11 +480,13 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
     ray_up = time.time()
     try:
         pool = ReplicaPool(make_actor, cfg.replicas, commit=commit, on_result=on_result, calls=calls,
-                           unit_timeout=cfg.unit_timeout, max_attempts=cfg.max_unit_attempts, on_tick=progress.tick)
-        records = _records(cfg, prep, summary, manifest.sample_ids(), seen)
+                           unit_timeout=cfg.unit_timeout, max_attempts=cfg.max_unit_attempts, on_tick=progress.tick,
+                           stream=deliver is not None)
+        done = manifest.sample_ids() | (online.consumed_ids(loc) if deliver is not None else set())
+        records = _records(cfg, prep, summary, done, seen)
         for unit in _units(records, cfg.unit_tokens, cfg.replicas, cfg.first_unit_tokens):
             need = sum(r.num_tokens for r in unit) * per_token * (cfg.replicas + 1) + cfg.disk_reserve
-            free = loc.free_bytes()
+            free = loc.free_bytes() if deliver is None else None  # online rows never touch the disk
             if free is not None and free < need:
                 stop = f"only {free / 2**20:.0f} MiB free at {cfg.out}, the next unit needs ~{need / 2**20:.0f} MiB"
                 break
@@ -498,6 +513,9 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
     manifest_now = manifest_mod.read(loc)
     summary.total_rows = manifest_now.rows
     summary.total_tokens = manifest_now.tokens
+    if deliver is not None:  # online: what this run delivered and what earlier runs' trainers acked
+        summary.total_rows = summary.committed_rows + summary.already_committed
+        summary.total_tokens = summary.committed_tokens
     summary.seconds = round(time.time() - started, 2)
     ended = time.time()
     if stop:
@@ -507,7 +525,8 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
             "Free some space and rerun the same command to resume"
         )
     _remove_garbage(loc)
-    summary.self_check = _self_check(cfg, prep, loc, progress, record) if summary.total_rows else None
+    summary.self_check = (_self_check(cfg, prep, loc, progress, record)
+                          if manifest_now.shards and deliver is None else None)
     writer.complete({
         "end_time": provenance.record.utc_now(ended),
         "dataset": dataclasses.asdict(prep.dataset),

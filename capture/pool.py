@@ -84,8 +84,10 @@ class RayCalls:
 
         self._ray = ray
 
-    def call(self, actor, method: str, *args):
-        return getattr(actor, method).remote(*args)
+    def call(self, actor, method: str, *args, returns: int = 1):
+        """One call; ``returns`` > 1: a list of that many handles (Ray ``num_returns``), each object owned
+        by this process (it outlives the actor)."""
+        return getattr(actor, method).options(num_returns=returns).remote(*args)
 
     def wait(self, handles: list, timeout: float | None) -> list:
         return self._ray.wait(handles, num_returns=1, timeout=timeout)[0]
@@ -118,7 +120,9 @@ class LocalCalls:
     drops the replica: its open shard is never committed (removed at the end of the run, as for a killed
     Ray actor); a call already running cannot be stopped, so the pool refuses a ``unit_timeout``."""
 
-    def call(self, actor: LocalActor, method: str, *args) -> concurrent.futures.Future:
+    def call(self, actor: LocalActor, method: str, *args, returns: int = 1) -> concurrent.futures.Future:
+        if returns != 1:
+            raise CaptureError("payload returns need replicas on Ray (--executor ray)")
         return actor.thread.submit(getattr(actor.replica, method), *args)
 
     def wait(self, handles: list, timeout: float | None) -> list:
@@ -151,13 +155,17 @@ class ReplicaPool:
     :class:`capture.replica.UnitResult` (progress, counts). ``unit_timeout``: seconds one unit may run
     (None: no limit). ``on_tick(status)`` is called at least every ``tick_s`` seconds while the pool waits
     (for a live display): ``status`` names what it waits for (engine loads) or is None (units running).
-    ``start_seconds``: wall-clock seconds spent waiting for replicas to load their engines."""
+    ``start_seconds``: wall-clock seconds spent waiting for replicas to load their engines. ``stream``:
+    online runs: units go to ``Replica.process_stream`` and ``commit(infos, payload)`` gets each unit's
+    payload handle too (a Ray object this process owns), committed like a shard."""
 
     def __init__(self, make_actor: Callable[[], object], replicas: int, *, commit: Callable[[Sequence], None],
                  on_result: Callable[[object], None], in_flight: int = 2, unit_timeout: float | None = None,
                  max_attempts: int = 3, on_tick: Callable[[str | None], None] = lambda status: None,
-                 tick_s: float = 0.5, calls: RayCalls | LocalCalls | None = None):
+                 tick_s: float = 0.5, calls: RayCalls | LocalCalls | None = None, stream: bool = False):
         self.calls = calls or RayCalls()
+        self.stream = stream
+        self._payloads: dict = {}  # stream: a unit's result handle → its payload handle
         if unit_timeout is not None and isinstance(self.calls, LocalCalls):
             raise CaptureError("--unit-timeout needs replicas in processes of their own (--executor ray): "
                                "an in-process unit cannot be stopped")
@@ -237,7 +245,12 @@ class ReplicaPool:
         slot = self.slots[i]
         if not slot.queue:
             slot.started = time.monotonic()
-        slot.queue.append((self.calls.call(slot.actor, "process", unit.records), unit))
+        if self.stream:
+            ref, payload = self.calls.call(slot.actor, "process_stream", unit.records, returns=2)
+            self._payloads[ref] = payload
+        else:
+            ref = self.calls.call(slot.actor, "process", unit.records)
+        slot.queue.append((ref, unit))
         slot.uncommitted.update((r.sample_id, r) for r in unit.records)
 
     def _wait(self) -> None:
@@ -279,11 +292,15 @@ class ReplicaPool:
         slot.started = now
         for sample_id in result.rejected:
             slot.uncommitted.pop(sample_id, None)
-        self._committed(slot, result.shards)
+        self._committed(slot, result.shards, self._payloads.pop(ref, None))
         self.on_result(result)
 
-    def _committed(self, slot: _Slot, infos: Sequence) -> None:
-        self.commit(infos)
+    def _committed(self, slot: _Slot, infos: Sequence, payload=None) -> None:
+        if self.stream:
+            if infos:
+                self.commit(infos, payload)
+        else:
+            self.commit(infos)
         for info in infos:
             for sample_id in info.sample_ids:
                 slot.uncommitted.pop(sample_id, None)
@@ -297,6 +314,8 @@ class ReplicaPool:
         log.warning("replica %d failed (%s); replacing it and retrying its %d uncommitted record(s)",
                     i, reason, len(slot.uncommitted))
         self.calls.kill(slot.actor)
+        for ref, _ in slot.queue:  # their payloads never come
+            self._payloads.pop(ref, None)
         queued = [u for _, u in slot.queue]
         requeue: list[Unit] = []
         if charge and queued:

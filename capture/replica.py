@@ -46,7 +46,7 @@ from filters import FilterConfig, apply_filters
 from shards.format import RunHeader, schema
 from shards.rows import Row
 from shards.run import Location
-from shards.writer import ShardInfo, ShardWriter
+from shards.writer import ShardInfo, ShardWriter, StreamWriter
 
 
 _CLOSE = object()  # a writer queue item: close the open shard
@@ -54,7 +54,7 @@ _CLOSE = object()  # a writer queue item: close the open shard
 
 @dataclasses.dataclass
 class UnitResult:
-    shards: list[ShardInfo]
+    shards: list[ShardInfo]  # closed shards (stream mode: one ShardInfo with path "" for the unit's payload)
     rejected: dict[str, str]  # sample_id → reason
     tokens: int  # tokens prefilled in this unit
     rows: int
@@ -111,7 +111,7 @@ class Replica:
     def __init__(self, model_dir: str, taps: Taps, header: RunHeader, out: Location | str, *, shard_size: int,
                  batch_tokens: int, threads: int | None = None, codec_threads: int = 2,
                  engine: EngineSpec = EngineSpec("hf"), filters: FilterConfig | None = None, feed=None,
-                 commit_seconds: float = float("inf")):
+                 commit_seconds: float = float("inf"), stream: bool = False):
         self._load = lambda: load_engine(engine, model_dir, taps, argmax=header.argmax, dtype=header.dtype,
                                          threads=threads, topk=header.topk)
         self.engine = None  # loaded by start(): a Ray actor's constructor error loses its exception type
@@ -121,7 +121,11 @@ class Replica:
         self.batch_tokens = None if engine.capabilities.own_batching else batch_tokens
         self.responses = header.responses
         self.filters = dataclasses.replace(filters or FilterConfig(), dedup=False)
-        self.writer = ShardWriter(out, schema(header), shard_size, threads=codec_threads)
+        # stream mode (online runs, capture.online): the unit's rows go back as one Arrow IPC payload
+        # (:meth:`process_stream`), encoded exactly as shard rows; nothing is written to disk
+        self.writer = (StreamWriter(schema(header), threads=codec_threads) if stream
+                       else ShardWriter(out, schema(header), shard_size, threads=codec_threads))
+        self.stream = stream
         self._queue: queue.Queue = queue.Queue(maxsize=2)
         self._closed: queue.SimpleQueue[ShardInfo] = queue.SimpleQueue()  # writer thread → caller
         self._error: BaseException | None = None
@@ -193,7 +197,9 @@ class Replica:
                 self._opened = self._opened or time.monotonic()
             result.tokens += sum(r.num_tokens for r in batch)
             result.rows += len(rows)
-        if self._opened is not None and (not self._closed_any or time.monotonic() - self._opened >= self.commit_seconds):
+        if self.stream:
+            pass  # process_stream closes the unit's payload
+        elif self._opened is not None and (not self._closed_any or time.monotonic() - self._opened >= self.commit_seconds):
             self._queue.put(_CLOSE)  # the open shard closes now and commits with this unit
             self._queue.join()
             self._opened = None
@@ -201,6 +207,20 @@ class Replica:
         self._closed_any = self._closed_any or bool(result.shards)
         result.write_seconds, self._write_seconds = self._write_seconds, 0.0
         return result
+
+    def process_stream(self, unit: Sequence[Tokenized] | Sequence[Prompt]) -> tuple[UnitResult, np.ndarray]:
+        """Stream mode: :meth:`process`, then the unit's rows as ``(result, payload)``: ``payload`` a uint8
+        array holding one Arrow IPC stream (the run's shard schema and cells; Ray hands it on zero-copy),
+        ``result.shards`` one ShardInfo describing it (``path`` ""; no rows: no ShardInfo, empty payload).
+        Called with two returns (``num_returns=2``) so that the payload is an object the driver owns: it
+        outlives this replica."""
+        result = self.process(unit)
+        self._queue.put(_CLOSE)
+        self._queue.join()
+        infos = self._collect()
+        result.shards = [info for info, _ in infos]
+        payload = infos[0][1] if infos else np.zeros(0, dtype=np.uint8)
+        return result, payload
 
     def _report(self, tokens: int) -> None:
         if self._feed is not None:

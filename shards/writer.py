@@ -15,6 +15,7 @@ its stream is closed; a shard aborted mid-write is deleted (best effort; a lefto
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -22,6 +23,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
+import numpy as np
 import pyarrow as pa
 import torch
 
@@ -29,6 +31,24 @@ from shards import codecs
 from shards.format import METADATA_KEY
 from shards.rows import Row, cell_check, record_batch
 from shards.run import Location, ShardSink, as_location
+
+
+OPTIONS = pa.ipc.IpcWriteOptions(compression=None)  # cells are compressed by the codec, not by Arrow
+
+
+class CellEncoder:
+    """``[T, H]`` tensors → cells of ``schema``'s codec (with its cell checksum), on ``threads`` threads
+    (zstd and numpy release the GIL)."""
+
+    def __init__(self, schema: pa.Schema, threads: int = 1):
+        self.codec = json.loads(schema.metadata[METADATA_KEY])["codec"]
+        self.check = cell_check(schema)
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="encode") if threads > 1 else None
+
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> list[bytes]:
+        if self.pool is None:
+            return [codecs.encode(self.codec, t, check=self.check) for t in tensors]
+        return list(self.pool.map(lambda t: codecs.encode(self.codec, t, check=self.check), tensors))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +78,8 @@ class ShardWriter:
         self.location = as_location(out)
         self.schema = schema
         self.target_bytes = target_bytes
-        self.codec = json.loads(schema.metadata[METADATA_KEY])["codec"]
-        self.check = cell_check(schema)
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="encode") if threads > 1 else None
-        self.options = pa.ipc.IpcWriteOptions(compression=None)
+        self.encode = CellEncoder(schema, threads)
+        self.options = OPTIONS
         self._open: tuple[ShardSink, pa.ipc.RecordBatchStreamWriter] | None = None
         self._rows: list[tuple[str, str, int, int]] = []  # sample_id, token_sha256, tokens, loss tokens
 
@@ -74,17 +92,12 @@ class ShardWriter:
                 name = f"shard-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:12]}.arrow"
                 sink = self.location.open_shard(name)
                 self._open = (sink, pa.ipc.new_stream(sink, self.schema, options=self.options))
-            self._open[1].write_batch(record_batch(self.schema, rows, self._encode))
+            self._open[1].write_batch(record_batch(self.schema, rows, self.encode))
         except BaseException:
             self.abort()
             raise
         self._rows += [(r.sample_id, r.token_sha256, r.num_tokens, r.num_loss_tokens) for r in rows]
         return self.close() if self._open[0].size >= self.target_bytes else []
-
-    def _encode(self, tensors: Sequence[torch.Tensor]) -> list[bytes]:
-        if self.pool is None:
-            return [codecs.encode(self.codec, t, check=self.check) for t in tensors]
-        return list(self.pool.map(lambda t: codecs.encode(self.codec, t, check=self.check), tensors))
 
     def close(self) -> list[ShardInfo]:
         """Finish the open shard (if any): end the stream and make it visible under its name
@@ -118,3 +131,43 @@ class ShardWriter:
         sink, _ = self._open
         self._open, self._rows = None, []
         sink.abort()
+
+
+class StreamWriter:
+    """A :class:`ShardWriter` without a file (online runs): rows are encoded exactly as shard rows (same
+    schema, codec and cell checks) into one in-memory Arrow IPC stream, handed out by :meth:`close` as
+    ``(ShardInfo with path "", payload)``; ``payload`` is a read-only uint8 numpy array over the stream's
+    bytes, ``bytes``/``sha256`` in the info describe it. Not thread-safe; one per replica."""
+
+    def __init__(self, schema: pa.Schema, threads: int = 1):
+        self.encode = CellEncoder(schema, threads)
+        self.schema = schema
+        self._batches: list[pa.RecordBatch] = []
+        self._rows: list[tuple[str, str, int, int]] = []
+
+    def write(self, rows: Sequence[Row]) -> list:
+        """Encode ``rows`` as one record batch of the open payload; closes nothing (returns [])."""
+        if rows:
+            self._batches.append(record_batch(self.schema, rows, self.encode))
+            self._rows += [(r.sample_id, r.token_sha256, r.num_tokens, r.num_loss_tokens) for r in rows]
+        return []
+
+    def close(self) -> list:
+        """``[(ShardInfo, payload)]`` for the rows written since the last close (``[]`` when none)."""
+        if not self._rows:
+            return []
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, self.schema, options=OPTIONS) as stream:
+            for batch in self._batches:
+                stream.write_batch(batch)
+        buf = sink.getvalue()
+        payload = np.frombuffer(buf, dtype=np.uint8)
+        info = ShardInfo(path="", rows=len(self._rows), tokens=sum(r[2] for r in self._rows),
+                         loss_tokens=sum(r[3] for r in self._rows), bytes=buf.size,
+                         sha256=hashlib.sha256(buf).hexdigest(), sample_ids=tuple(r[0] for r in self._rows),
+                         token_sha256=tuple(r[1] for r in self._rows))
+        self._batches, self._rows = [], []
+        return [(info, payload)]
+
+    def abort(self) -> None:
+        self._batches, self._rows = [], []

@@ -1,0 +1,120 @@
+"""Online runs: capture replicas stream their rows straight to the trainer through Ray; nothing is written
+to disk but the run's small log (header, dataset, completion, provenance) and the trainer's acks.
+
+:func:`start` runs the capture driver (:func:`capture.driver.run`, the same records, filters, replicas,
+retries and exactly-once accounting as ``capture run``) on a thread of the calling process, with its Ray
+replicas in stream mode: each completed work unit comes back as one Arrow IPC payload in Ray's object
+store (:class:`shards.writer.StreamWriter`, the run codec's cells), owned by the driver. The driver hands
+each payload's handle to one trainer rank's bounded queue (``ray.util.queue.Queue``, ``queue_units``
+items; ranks in turn). :class:`shards.online.OnlineStream` is the trainer's side.
+
+**Why a bounded queue of object refs** rather than Ray Data's ``streaming_split``: the replica pool
+already owns the retries of a dead replica and the exactly-once accounting, and a queue keeps each
+trainer rank's item order one simple FIFO; Ray Data would add its own executor and scheduling of the
+replicas (an actor pool it restarts on its terms) on top of them.
+
+**Backpressure.** While a rank's queue is full the driver waits (its progress bar says ``waiting for the
+trainer``), so no new unit goes out: the replicas stop after the ``in_flight`` units already queued on
+each. Object-store bytes held at most: (``queue_units`` x ranks + replicas x 2 in flight + 1) unit
+payloads, each about ``unit_tokens`` x the run's bytes per token. When the capture is slower, the
+trainer blocks in the queue's ``get`` (``OnlineStream.wait_seconds`` counts it).
+
+**Exactly once** (per run, from the checkpoint a trainer restarts from): see :mod:`shards.online`. A
+restarted trainer calls :func:`start` again with the same ``cfg.out``: acked rows are skipped, the rest
+captured again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+
+from capture.config import RunConfig
+from capture.errors import CaptureError
+from shards import manifest as manifest_mod
+from shards.online import OnlineStream
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Online:
+    """A running online capture: its queues (one per rank), its thread, its result once done."""
+
+    cfg: RunConfig
+    queues: list
+    thread: threading.Thread | None = None
+    summary: dict | None = None
+    error: BaseException | None = None
+
+    def stream(self, rank: int = 0, **options) -> OnlineStream:
+        """Rank ``rank``'s :class:`shards.online.OnlineStream` (``options``: ``layers``, ``final``, ``topk``,
+        ``poll_s``, ``timeout_s``). Waits for the run header (the driver writes it once the model is
+        prepared). Raises CaptureError for a rank outside ``[0, world_size)``."""
+        if not 0 <= rank < len(self.queues):
+            raise CaptureError(f"rank {rank} is not in [0, world_size={len(self.queues)})")
+        header = self._header()
+        return OnlineStream(self.queues[rank], self.cfg.out, header, rank, **options)
+
+    def _header(self):
+        import time
+
+        while True:
+            header = manifest_mod.read(self.cfg.out).header
+            if header is not None:
+                return header
+            if self.thread is not None and not self.thread.is_alive():
+                raise CaptureError(f"online capture ended before writing its header: {self.error}")
+            time.sleep(0.2)
+
+    def join(self) -> dict:
+        """Wait for the capture; its summary dict (:class:`capture.driver.Summary`). Re-raises its error."""
+        if self.thread is not None:
+            self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.summary
+
+
+def start(cfg: RunConfig, world_size: int = 1, queue_units: int = 2) -> Online:
+    """Start an online capture of ``cfg`` for ``world_size`` trainer ranks (module docstring). Starts a
+    local Ray instance unless one is connected (``cfg.ray_address`` to join a cluster). Returns at once;
+    the driver runs on a daemon thread. Raises CaptureError for a world size or queue size below 1."""
+    import ray
+    from ray.util.queue import Full, Queue
+
+    from capture.driver import run
+
+    if world_size < 1 or queue_units < 1:
+        raise CaptureError("world_size and queue_units must be at least 1")
+    if not ray.is_initialized():
+        ray.init(address=cfg.ray_address or "local", include_dashboard=False, logging_level=logging.ERROR)
+    queues = [Queue(maxsize=queue_units, actor_options={"num_cpus": 0}) for _ in range(world_size)]
+    online = Online(cfg, queues)
+    ranks = itertools.cycle(range(world_size))
+
+    def deliver(infos, payload, on_wait) -> None:
+        rank = next(ranks)
+        item = ("rows", [dataclasses.asdict(i) for i in infos], payload)
+        while True:
+            try:
+                queues[rank].put(item, block=True, timeout=0.5)
+                return
+            except Full:
+                on_wait(f"waiting for the trainer: rank {rank}'s queue holds {queue_units} unit(s)")
+
+    def main() -> None:
+        try:
+            online.summary = run(cfg, deliver=deliver).as_dict()
+            for q in queues:
+                q.put(("end", online.summary, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer's streams and to join()
+            online.error = e
+            for q in queues:
+                q.put(("error", str(e) or type(e).__name__, None))
+
+    online.thread = threading.Thread(target=main, name="online-capture", daemon=True)
+    online.thread.start()
+    return online

@@ -1,0 +1,59 @@
+"""A stand-in trainer for tests/test_online.py: starts an online capture (capture.online) of the first
+``--limit`` rows of a dataset, reads its rank-0 stream, acks after every ``--ack-every`` samples, and prints
+one JSON line per sample (id and the SHA-256 of its taps, final and argmax bytes), then the capture's summary.
+``--crash-after K``: exit hard (os._exit, no cleanup) right after the ack that covers K samples: a trainer
+killed after its checkpoint."""
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from capture import online  # noqa: E402
+from capture.config import from_mapping  # noqa: E402
+
+
+def digest(sample: dict) -> str:
+    h = hashlib.sha256()
+    for key in ("input_ids", "taps", "final", "argmax"):
+        t = sample[key].contiguous()
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.dtype.is_floating_point else t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dataset", required=True)
+    ap.add_argument("--limit", type=int, required=True)
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--ack-every", type=int, default=1)
+    ap.add_argument("--crash-after", type=int)
+    args = ap.parse_args()
+    cfg = from_mapping({"target": "smollm2-135m", "dataset": args.dataset, "layers": "3,15", "final": "post-norm",
+                        "limit": args.limit, "max_tokens": 256, "overlength": "truncate", "replicas": args.replicas,
+                        "cpus_per_replica": 1, "unit_tokens": 600, "out": args.out, "progress": False})
+    run = online.start(cfg)
+    stream = run.stream(0, timeout_s=300)
+    pending = []
+    for n, sample in enumerate(stream, 1):
+        print(json.dumps({"id": sample["sample_id"], "sha": digest(sample)}), flush=True)
+        pending.append(sample["sample_id"])
+        if len(pending) == args.ack_every:
+            stream.ack(pending)  # (a real trainer saves its checkpoint first)
+            pending = []
+            if args.crash_after is not None and n >= args.crash_after:
+                os._exit(3)
+    if pending:
+        stream.ack(pending)
+    summary = run.join()
+    print(json.dumps({"summary": summary, "wait_seconds": stream.wait_seconds}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Online runs (capture.online, shards.online): rows from live Ray replicas straight to a trainer, never to
+disk. Real SmolLM2, the real Open-PerfectBlend sample, real Ray processes; the trainer is
+tests/online_trainer.py in a process of its own, tagged like tests/test_scale.py's so that a test kills
+exactly its own replica or trainer."""
+
+import json
+import subprocess
+import sys
+import time
+
+from conftest import REPO, capture_cli
+from shards import manifest as manifest_mod
+from shards.online import consumed_ids
+from shards.stream import ShardStream
+from test_scale import SAMPLE_NAME, env_for, tag, tagged_pids  # noqa: F401 - tag is a fixture
+
+import online_trainer
+
+LIMIT = 16
+
+
+def trainer(out, sample, tag_, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, str(REPO / "tests" / "online_trainer.py"), "--out", str(out), "--dataset", str(sample),
+           "--limit", str(LIMIT), *extra]
+    return subprocess.Popen(cmd, cwd=REPO, env=env_for(tag_), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def lines_of(stdout: str) -> tuple[list[dict], dict | None]:
+    rows = [json.loads(x) for x in stdout.splitlines() if x.startswith("{")]
+    summary = next((r for r in rows if "summary" in r), None)
+    return [r for r in rows if "id" in r], summary
+
+
+def test_online_rows_equal_an_offline_run_bit_for_bit(tmp_path, sample_jsonl, tag):
+    """The same rows captured offline (2 Ray replicas, shards) and online (2 Ray replicas, no shards): the
+    same ids, each exactly once, with bit-identical input ids, taps, final state and argmax."""
+    offline = tmp_path / "offline"
+    capture_cli("run", "--target", "smollm2-135m", "--dataset", str(sample_jsonl), "--layers", "3,15", "--final",
+                "post-norm", "--limit", str(LIMIT), "--max-tokens", "256", "--overlength", "truncate", "--replicas",
+                "2", "--cpus-per-replica", "1", "--unit-tokens", "600", "--out", str(offline), "--no-progress",
+                check=True)
+    want = {s["sample_id"]: online_trainer.digest(s) for s in ShardStream(offline)}
+    assert sorted(want) == sorted(f"{SAMPLE_NAME}:{i}" for i in range(LIMIT))
+
+    out = tmp_path / "online"
+    proc = trainer(out, sample_jsonl, tag)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    rows, end = lines_of(stdout)
+    assert sorted(r["id"] for r in rows) == sorted(want)  # each once
+    assert {r["id"]: r["sha"] for r in rows} == want  # bit for bit
+    s = end["summary"]
+    assert s["committed_rows"] == LIMIT and s["total_rows"] == LIMIT
+    m = manifest_mod.read(out)
+    assert m.complete and m.all_shards == []  # no shard on disk: only the log
+    assert sorted(p.name for p in out.iterdir() if p.suffix == ".arrow") == []
+    assert consumed_ids(out) == set(want)
+
+
+def test_replica_killed_mid_unit_online_delivers_exactly_once(tmp_path, sample_jsonl, tag):
+    out = tmp_path / "online"
+    proc = trainer(out, sample_jsonl, tag)
+    killed = None
+    deadline = time.monotonic() + 300
+    while killed is None and proc.poll() is None and time.monotonic() < deadline:
+        busy = tagged_pids(tag, "ray::Replica.process_stream")
+        if busy:
+            time.sleep(0.5)  # well inside the unit
+            subprocess.run(["kill", "-9", str(busy[0])], check=False)
+            killed = busy[0]
+        time.sleep(0.2)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert killed is not None, "no replica was ever seen processing a unit"
+    assert proc.returncode == 0, stderr[-3000:]
+    rows, end = lines_of(stdout)
+    ids = [r["id"] for r in rows]
+    assert sorted(ids) == sorted(f"{SAMPLE_NAME}:{i}" for i in range(LIMIT))  # none lost, none twice
+    s = end["summary"]
+    assert sum(r["restarts"] for r in s["replicas"]) == 1
+    assert [f for r in s["replicas"] for f in r["failures"]] == ["replica process died"]
+
+
+def test_trainer_killed_after_a_checkpoint_resumes_exactly_once(tmp_path, sample_jsonl, tag):
+    """The trainer acks every 2 samples and dies hard after acking 6; the restarted trainer (a new online
+    capture of the same run folder) gets exactly the other rows."""
+    out = tmp_path / "online"
+    first = trainer(out, sample_jsonl, tag, "--ack-every", "2", "--crash-after", "6")
+    stdout, stderr = first.communicate(timeout=600)
+    assert first.returncode == 3, stderr[-3000:]
+    before = [r["id"] for r in lines_of(stdout)[0]]
+    assert len(before) == 6 and consumed_ids(out) == set(before)
+    assert not manifest_mod.read(out).complete
+
+    second = trainer(out, sample_jsonl, tag)
+    stdout, stderr = second.communicate(timeout=600)
+    assert second.returncode == 0, stderr[-3000:]
+    rows, end = lines_of(stdout)
+    after = [r["id"] for r in rows]
+    assert not set(before) & set(after)
+    assert sorted(before + after) == sorted(f"{SAMPLE_NAME}:{i}" for i in range(LIMIT))
+    assert end["summary"]["already_committed"] == 6 and end["summary"]["committed_rows"] == LIMIT - 6
