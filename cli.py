@@ -454,6 +454,8 @@ def _drafter_values(config_file, flags: dict) -> dict:
 @drafter_group.command("train")
 @click.option("--config", "config_file", type=click.Path(), help="YAML file of TrainConfig keys; flags override it.")
 @click.option("--run", help="Capture run folder (shards + manifest.jsonl).")
+@click.option("--online", type=click.Path(), help="A `capture run --config` YAML: capture it now and train on its "
+              "rows straight from the Ray replicas, with no shards on disk (--run defaults to its out folder).")
 @click.option("--out", help="Output folder: model.safetensors, config.json, metrics.jsonl.")
 @click.option("--target-dir", type=click.Path(), help="Model folder with the target's safetensors "
               "(default: the run's provenance.json model_dir).")

@@ -30,8 +30,11 @@ class TrainConfig:
     autocast dtype of the forward (weights and optimizer stay float32).
     """
 
-    run: str  # capture run folder (shards + manifest.jsonl)
+    run: str  # capture run folder (shards + manifest.jsonl); with `online`, that capture's --out
     out: str  # output folder: model.safetensors, config.json, metrics.jsonl
+    # a `capture run --config` YAML: capture it now and train on its rows straight from the Ray replicas
+    # (capture.online; no shards, only the run's log in its out folder); None: read `run`'s shards
+    online: str | None = None
     target_dir: str | None = None  # model folder with the target's safetensors (default: provenance.json's)
     heldout_run: str | None = None
     seed: int = 0
@@ -72,8 +75,12 @@ def from_mapping(values: dict[str, Any]) -> TrainConfig:
     unknown = sorted(set(flat) - set(_FIELDS))
     if unknown:
         raise CaptureError(f"unknown drafter config key(s): {', '.join(unknown)}")
+    if "online" in flat and "run" not in flat:  # the online capture's folder
+        from capture.config import load_yaml
+
+        flat["run"] = load_yaml(flat["online"]).get("out")
     for key in ("run", "out"):
-        if key not in flat:
+        if key not in flat or flat[key] is None:
             raise CaptureError(f"--{key} is required")
     hints = typing.get_type_hints(TrainConfig)
     for key, value in flat.items():

@@ -51,7 +51,11 @@ def run_header(run_dir: str | os.PathLike) -> RunHeader:
     without ``argmax`` (the drafter's labels and the offline score need it) or without taps."""
     from shards import manifest
 
-    head = manifest.read(run_dir).header
+    return check_header(manifest.read(run_dir).header, run_dir)
+
+
+def check_header(head: RunHeader | None, run_dir) -> RunHeader:
+    """``head`` when a drafter can train on its run (:func:`run_header`'s rules); raises CaptureError."""
     if head is None:
         raise CaptureError(f"{run_dir} holds no capture run (no manifest.jsonl header)")
     if not head.argmax:
@@ -96,6 +100,24 @@ def load_samples(run_dir: str | os.PathLike, split: str = "all", heldout_fractio
     run_header(run_dir)
     stream = ShardStream(run_dir, split=split, heldout_fraction=heldout_fraction, topk=topk)
     yield from (prepare(s) for s in itertools.islice(stream, limit))
+
+
+def online_samples(capture_config: str | os.PathLike, topk: bool = False) -> tuple[RunHeader, list[dict], str]:
+    """Capture the run a ``capture run --config`` YAML describes *online* (:mod:`capture.online`: rows
+    straight from its Ray replicas, no shards) and return ``(header, conversations, run folder)``: the
+    :func:`prepare`'d conversations in dataset order (dataset name, then row), so that training does not
+    depend on which replica finished first. Raises CaptureError as the capture or :func:`check_header` does."""
+    from capture import online
+    from capture.config import from_mapping, load_yaml
+
+    cfg = from_mapping({**load_yaml(str(capture_config)), "progress": False})
+    run = online.start(cfg)
+    stream = run.stream(0, topk=topk)
+    header = check_header(stream.header, cfg.out)
+    samples = [prepare(s) for s in stream]
+    run.join()
+    samples.sort(key=lambda s: (s["sample_id"].rpartition(":")[0], int(s["sample_id"].rpartition(":")[2])))
+    return header, samples, cfg.out
 
 
 def disjoint(train: list[dict], held: Iterable[dict]) -> tuple[list[dict], int]:

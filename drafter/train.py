@@ -83,23 +83,27 @@ def check_compatible(run: str, header: RunHeader, other: str, theirs: RunHeader)
 
 
 def load_data(run: str, heldout_fraction: float, target_dir: str | None = None,
-              heldout_run: str | None = None, topk: bool = False) -> Data:
+              heldout_run: str | None = None, topk: bool = False, online: str | None = None) -> Data:
     """Read the conversations of ``run`` into memory. Held out: every row of ``heldout_run`` when given,
     else ``run``'s :func:`drafter.data.heldout` split; train rows sharing a sample_id or prompt with a
-    held-out row are dropped (counted). ``topk``: the runs must store top-K logits. Raises CaptureError
-    when either set is empty, the runs differ in taps or tokenizer, or the target folder has no
-    embeddings."""
-    header = data.run_header(run)
+    held-out row are dropped (counted). ``topk``: the runs must store top-K logits. ``online``: a capture
+    config YAML; its rows come straight from a live capture (:func:`drafter.data.online_samples`) instead
+    of ``run``'s shards. Raises CaptureError when either set is empty, the runs differ in taps or
+    tokenizer, or the target folder has no embeddings."""
+    if online:
+        header, samples, run = data.online_samples(online, topk=topk)
+    else:
+        header, samples = data.run_header(run), data.load_samples(run, topk=topk)
     if topk and not header.topk:
         raise CaptureError(f"{run} stores no top-K logits (capture it with --topk K) but kl_weight > 0")
     tdir = Path(target_dir) if target_dir else default_target_dir(run)
     if heldout_run:
         check_compatible(run, header, heldout_run, data.run_header(heldout_run))
-        train, held = list(data.load_samples(run, topk=topk)), list(data.load_samples(heldout_run))
+        train, held = list(samples), list(data.load_samples(heldout_run))
         where = f"{heldout_run} (all rows)"
     else:
         train, held = [], []
-        for s in data.load_samples(run, topk=topk):
+        for s in samples:
             (held if data.heldout(s["sample_id"], heldout_fraction) else train).append(s)
         where = f"heldout_fraction {heldout_fraction}"
     train, overlap = data.disjoint(train, held)
@@ -272,7 +276,8 @@ def train(cfg: TrainConfig, d: Data | None = None) -> dict:
         raise CaptureError(f"{out} already holds a trained drafter; train into another --out")
     if (out / MANIFEST).exists() or (out / MANIFEST_DIR).exists():
         raise CaptureError(f"{out} holds a capture run; train into another --out")
-    d = d or load_data(cfg.run, cfg.heldout_fraction, cfg.target_dir, cfg.heldout_run, topk=cfg.kl_weight > 0)
+    d = d or load_data(cfg.run, cfg.heldout_fraction, cfg.target_dir, cfg.heldout_run, topk=cfg.kl_weight > 0,
+                       online=cfg.online)
     if cfg.kl_weight and "topk_ids" not in d.train[0]:
         raise CaptureError(f"{cfg.run} stores no top-K logits (capture it with --topk K) but kl_weight > 0")
     try:

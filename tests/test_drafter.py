@@ -374,3 +374,25 @@ def test_cli_train_eval_and_user_errors(small_run, held_run, tmp_path):
     assert bad.exit_code == 2 and "stores no top-K logits" in bad.stderr
     bad = capture_inproc("drafter", "train", "--run", str(small_run), "--out", str(tmp_path / "e"), "--block-size", "1")
     assert bad.exit_code == 2 and "block_size must be at least 2" in bad.stderr
+
+
+def test_online_training_sees_the_rows_of_the_shards_bit_for_bit(small_run, tmp_path):
+    """`drafter train --online`: the same capture settings as small_run, streamed from Ray replicas with no
+    shards: the same conversations with bit-identical features, and (in one order) the same trained drafter."""
+    config = tmp_path / "capture.yaml"
+    config.write_text(yaml.safe_dump({
+        "target": "smollm2-135m", "dataset": "sharegpt", "limit": 24, "layers": "3,15,27", "topk": 8,
+        "max_tokens": 256, "overlength": "truncate", "ray_address": "local", "out": str(tmp_path / "live")}))
+    online = load_data(None, 0.25, topk=True, online=str(config))
+    offline = load_data(str(small_run), 0.25, topk=True)
+    assert not list((tmp_path / "live").glob("*.arrow"))  # nothing but the run's log on disk
+    assert online.summary() == offline.summary()
+    order = lambda seqs: sorted(seqs, key=lambda s: int(s["sample_id"].rpartition(":")[2]))  # noqa: E731
+    for a, b in zip(order(online.train) + order(online.heldout), order(offline.train) + order(offline.heldout)):
+        assert a["sample_id"] == b["sample_id"] and a["prompt_key"] == b["prompt_key"]
+        for key in ("input_ids", "loss_mask", "argmax", "topk_ids", "feats"):
+            assert torch.equal(a[key], b[key]), (a["sample_id"], key)
+    assert [s["sample_id"] for s in online.train] == [s["sample_id"] for s in order(online.train)]
+    offline = dataclasses.replace(offline, train=order(offline.train), heldout=order(offline.heldout))
+    cfg = _cfg(tmp_path / "live", tmp_path / "a", online=str(config), steps=20)
+    assert train(cfg, online)["drafter"] == train(dataclasses.replace(cfg, out=str(tmp_path / "b")), offline)["drafter"]
