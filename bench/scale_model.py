@@ -17,6 +17,12 @@ Nothing here is measured on a B300; the inputs are stated with their sources:
   codec's measured ratio, plus ids, mask and argmax (9 bytes/token) (bench/codecs.out).
 * Compression: one core encodes bf16-split at 615 MB/s of raw bf16 and fp8-e4m3 at 1,329 MB/s, bf16
   (zstd-3) at 1,084 MB/s (bench/codecs.out, this machine's cores; server cores are similar or faster).
+* Online (capture.online: rows over Ray, no disk): the producer:trainer node ratio is the published one
+  of the closest public run, RedHat's GLM-5.2 DSpark drafter (speculators over Mooncake): 9 vLLM
+  producer nodes for 6 trainer nodes, so a trainer node consumes what 1.5 producer nodes capture.
+  Nothing here measures a trainer node; the implied consumption follows from that ratio. The object
+  store holds at most (queue_units x ranks + 2 x replicas + 1) unit payloads (capture.online), each
+  unit_tokens (default 32,768) x the codec's bytes per token.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ ACTIVE_SCALE = 37 / 40  # DeepSeek-V3 active params / GLM-5.3 active params
 CAPTURE_OVERHEAD = 0.98
 TAPS, HIDDEN = 6, 6144
 SCALARS = 9  # int32 id + bool mask + int32 argmax per token
+PRODUCERS_PER_TRAINER = 9 / 6  # RedHat GLM-5.2 DSpark: 9 vLLM producer nodes, 6 trainer nodes
+UNIT_TOKENS, QUEUE_UNITS = 32_768, 2  # capture's defaults (RunConfig.unit_tokens, capture.online.start)
 CODECS = {  # ratio vs raw bf16, encode MB/s of raw bf16 per core (bench/codecs.out)
     "bf16": (0.782, 1_084),
     "bf16-split": (0.687, 615),
@@ -59,6 +67,20 @@ def main() -> None:
         per_token = raw_per_token * ratio + SCALARS
         print(f"| {codec} | {per_token / 1e3:,.1f} | {per_token * 1e6 * TOKENS_PER_CONVERSATION / 1e12:,.1f} | "
               f"{per_token * tokens / 1e12:,.1f} |")
+    print()
+    print("Online (no disk): per producer node (one TP8 replica) feeding trainer ranks over Ray; object store "
+          f"bound for 1 replica and 8 trainer ranks at unit_tokens {UNIT_TOKENS:,}, queue_units {QUEUE_UNITS}")
+    print()
+    print("| case | codec | network GB/s per producer node | trainer tokens/s per node (9:6) | "
+          "trainer nodes per producer node | object store GB, bound |")
+    print("|---|---|---:|---:|---:|---:|")
+    for case, fraction in (("optimistic", 1.0), ("conservative", 1 / 3)):
+        rate = PUBLISHED_PREFILL_PER_GPU * ACTIVE_SCALE * fraction * GPUS_PER_REPLICA * CAPTURE_OVERHEAD
+        for codec, (ratio, _) in CODECS.items():
+            per_token = raw_per_token * ratio + SCALARS
+            units = QUEUE_UNITS * 8 + 2 * 1 + 1
+            print(f"| {case} | {codec} | {rate * per_token / 1e9:,.2f} | {rate * PRODUCERS_PER_TRAINER:,.0f} | "
+                  f"{1 / PRODUCERS_PER_TRAINER:.2f} | {units * UNIT_TOKENS * per_token / 1e9:,.1f} |")
 
 
 if __name__ == "__main__":
