@@ -544,6 +544,7 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
         "total_tokens": summary.total_tokens,
         "self_check": summary.self_check,
         **({"retained": summary.retained} if summary.retained else {}),
+        **({"online": True} if deliver is not None else {}),  # rows went to a trainer: committed = delivered
     })
     _finish_provenance(loc, record, summary, "complete", ended)
     if summary.total_rows == 0:

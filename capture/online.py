@@ -48,6 +48,7 @@ class Online:
     thread: threading.Thread | None = None
     summary: dict | None = None
     error: BaseException | None = None
+    started_ray: bool = False  # start() started Ray: close() shuts it down
 
     def stream(self, rank: int = 0, **options) -> OnlineStream:
         """Rank ``rank``'s :class:`shards.online.OnlineStream` (``options``: ``layers``, ``final``, ``topk``,
@@ -69,6 +70,16 @@ class Online:
                 raise CaptureError(f"online capture ended before writing its header: {self.error}")
             time.sleep(0.2)
 
+    def close(self) -> None:
+        """Stop the queues' actors, and Ray when :func:`start` started it (after :meth:`join`: rows still
+        queued are dropped, and their payloads with them)."""
+        import ray
+
+        for q in self.queues:
+            q.shutdown()
+        if self.started_ray:
+            ray.shutdown()
+
     def join(self) -> dict:
         """Wait for the capture; its summary dict (:class:`capture.driver.Summary`). Re-raises its error."""
         if self.thread is not None:
@@ -89,10 +100,11 @@ def start(cfg: RunConfig, world_size: int = 1, queue_units: int = 2) -> Online:
 
     if world_size < 1 or queue_units < 1:
         raise CaptureError("world_size and queue_units must be at least 1")
-    if not ray.is_initialized():
+    started = not ray.is_initialized()
+    if started:
         ray.init(address=cfg.ray_address or "local", include_dashboard=False, logging_level=logging.ERROR)
     queues = [Queue(maxsize=queue_units, actor_options={"num_cpus": 0}) for _ in range(world_size)]
-    online = Online(cfg, queues)
+    online = Online(cfg, queues, started_ray=started)
     ranks = itertools.cycle(range(world_size))
 
     def deliver(infos, payload, on_wait) -> None:

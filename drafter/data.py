@@ -112,10 +112,13 @@ def online_samples(capture_config: str | os.PathLike, topk: bool = False) -> tup
 
     cfg = from_mapping({**load_yaml(str(capture_config)), "progress": False})
     run = online.start(cfg)
-    stream = run.stream(0, topk=topk)
-    header = check_header(stream.header, cfg.out)
-    samples = [prepare(s) for s in stream]
-    run.join()
+    try:
+        stream = run.stream(0, topk=topk)
+        header = check_header(stream.header, cfg.out)
+        samples = [prepare(s) for s in stream]
+        run.join()
+    finally:
+        run.close()
     samples.sort(key=lambda s: (s["sample_id"].rpartition(":")[0], int(s["sample_id"].rpartition(":")[2])))
     return header, samples, cfg.out
 

@@ -34,15 +34,18 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--ack-every", type=int, default=1)
     ap.add_argument("--crash-after", type=int)
+    ap.add_argument("--regenerate", type=int, help="self-distillation: the last answer regenerated, at most N tokens")
     args = ap.parse_args()
+    regenerate = {"responses": "regenerate", "max_new_tokens": args.regenerate} if args.regenerate else {}
     cfg = from_mapping({"target": "smollm2-135m", "dataset": args.dataset, "layers": "3,15", "final": "post-norm",
                         "limit": args.limit, "max_tokens": 256, "overlength": "truncate", "replicas": args.replicas,
-                        "cpus_per_replica": 1, "unit_tokens": 600, "out": args.out, "progress": False})
+                        "cpus_per_replica": 1, "unit_tokens": 600, "out": args.out, "progress": False, **regenerate})
     run = online.start(cfg)
     stream = run.stream(0, timeout_s=300)
     pending = []
     for n, sample in enumerate(stream, 1):
-        print(json.dumps({"id": sample["sample_id"], "sha": digest(sample)}), flush=True)
+        print(json.dumps({"id": sample["sample_id"], "sha": digest(sample),
+                          "loss_tokens": int(sample["loss_mask"].sum())}), flush=True)
         pending.append(sample["sample_id"])
         if len(pending) == args.ack_every:
             stream.ack(pending)  # (a real trainer saves its checkpoint first)

@@ -99,3 +99,18 @@ def test_trainer_killed_after_a_checkpoint_resumes_exactly_once(tmp_path, sample
     assert not set(before) & set(after)
     assert sorted(before + after) == sorted(f"{SAMPLE_NAME}:{i}" for i in range(LIMIT))
     assert end["summary"]["already_committed"] == 6 and end["summary"]["committed_rows"] == LIMIT - 6
+
+
+def test_self_distillation_online(tmp_path, sample_jsonl, tag):
+    """--responses regenerate online: the replicas generate the last answer (at most 8 tokens) before they
+    capture, the rows arrive with exactly the generated tokens supervised, and provenance.json is written."""
+    out = tmp_path / "online"
+    proc = trainer(out, sample_jsonl, tag, "--regenerate", "8", "--replicas", "1")
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    rows, end = lines_of(stdout)
+    assert rows and len(rows) == end["summary"]["committed_rows"]
+    assert all(1 <= r["loss_tokens"] <= 8 for r in rows)
+    assert manifest_mod.read(out).header.mode == "regenerate"
+    assert json.loads((out / "provenance.json").read_text())["invocations"][-1]["status"] == "complete"
+    assert manifest_mod.read(out).completions[-1]["online"] is True
