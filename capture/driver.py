@@ -301,13 +301,15 @@ def plan(cfg: RunConfig) -> Summary:
     return summary
 
 
-def run(cfg: RunConfig, deliver: Callable | None = None) -> Summary:
+def run(cfg: RunConfig, deliver: Callable | None = None, keep: bool = False) -> Summary:
     """Run (or resume, or extend) the capture described by ``cfg``. Returns the :class:`Summary`.
 
     ``deliver``: an online run (:mod:`capture.online`): replicas run on Ray in stream mode and each
-    unit's rows go to ``deliver(infos, payload, on_wait)`` instead of shards (``payload`` the handle of
-    the unit's Arrow IPC bytes, :class:`shards.writer.StreamWriter`; ``on_wait(status)`` to call while
-    it blocks); rows acked in ``cfg.out`` (:func:`shards.online.consumed_ids`) count as done.
+    unit's rows go to ``deliver(info, payload, on_wait)`` (``info`` a ShardInfo with path "", ``payload``
+    the handle of the unit's Arrow IPC bytes, :class:`shards.writer.StreamWriter`; ``on_wait(status)`` to
+    call while it blocks); without ``keep`` no shard is written and rows acked in ``cfg.out``
+    (:func:`shards.online.consumed_ids`) count as done; with ``keep`` the rows are also committed to
+    shards exactly as without ``deliver``.
 
     Raises CaptureError on user errors, on a conflicting existing run, when the disk fills (after a
     clean stop), and when no record at all could be kept.
@@ -337,7 +339,7 @@ def run(cfg: RunConfig, deliver: Callable | None = None) -> Summary:
                                f"({damaged[0]}); `capture shards verify {cfg.out}` lists them: restore them first")
         busy = f"another capture is writing to {cfg.out} (it holds {LOCK}); wait for it or use another --out"
         with loc.lock(busy=busy):
-            return _run_locked(cfg, prep, started, loc, progress, timings, deliver)
+            return _run_locked(cfg, prep, started, loc, progress, timings, deliver, keep)
     finally:
         progress.close()
 
@@ -365,7 +367,7 @@ def executor_of(cfg: RunConfig, engine: EngineSpec) -> str:
 
 
 def _run_locked(cfg: RunConfig, prep: Prepared, started: float, loc: Location, progress: Progress,
-                timings: Timings, deliver: Callable | None = None) -> Summary:
+                timings: Timings, deliver: Callable | None = None, keep: bool = False) -> Summary:
     if deliver is not None and cfg.executor == "local":
         raise CaptureError("an online run streams rows through Ray: it needs --executor ray or auto")
     if deliver is None and executor_of(cfg, prep.engine) == "local":
@@ -384,7 +386,7 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float, loc: Location, p
                  include_dashboard=False, logging_level=logging.ERROR, log_to_driver=True)
     try:
         progress.feed = feed()
-        return _run_replicas(cfg, prep, started, loc, progress, timings, "ray", deliver)
+        return _run_replicas(cfg, prep, started, loc, progress, timings, "ray", deliver, keep)
     finally:
         progress.close()  # the feed's actor goes before Ray does
         if we_started_ray:
@@ -392,7 +394,8 @@ def _run_locked(cfg: RunConfig, prep: Prepared, started: float, loc: Location, p
 
 
 def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location, progress: Progress,
-                  timings: Timings, executor: str, deliver: Callable | None = None) -> Summary:
+                  timings: Timings, executor: str, deliver: Callable | None = None, keep: bool = False) -> Summary:
+    stream = None if deliver is None else "tee" if keep else "deliver"
     if executor == "ray":
         import ray
 
@@ -431,7 +434,7 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
     args = (prep.model_dir, prep.taps, prep.header, out)
     kwargs = dict(shard_size=cfg.shard_size, batch_tokens=cfg.batch_tokens, threads=cpus,
                   commit_seconds=cfg.commit_every, codec_threads=cfg.codec_threads, engine=prep.engine,
-                  filters=cfg.filters, feed=progress.feed, stream=deliver is not None)
+                  filters=cfg.filters, feed=progress.feed, stream=stream)
     if executor == "ray":
         gpus = replica_gpus(prep.engine, cfg.tp, ray.cluster_resources().get("GPU", 0))
         actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus)(Replica)
@@ -450,22 +453,27 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
 
     retention = None if cfg.retain is None else Retention(loc, writer, cfg.retain, on_wait=progress.tick)
 
-    def commit(infos, payload=None) -> None:
+    def commit(infos) -> None:
         t0, waited = time.perf_counter(), retention.wait_seconds if retention else 0.0
-        if deliver is not None:  # online: the rows go to a trainer, not to shards
-            deliver(infos, payload, progress.tick)
-            progress.status("capturing")
         for info in infos:
             if retention is not None and retention.make_room():
                 progress.status("capturing")
-            if deliver is None:
-                writer.commit(info)
+            writer.commit(info)
             summary.shards += 1
             summary.committed_rows += info.rows
             summary.committed_tokens += info.tokens
             summary.committed_loss_tokens += info.loss_tokens
             summary.committed_bytes += info.bytes
         timings.commit += time.perf_counter() - t0 - ((retention.wait_seconds - waited) if retention else 0.0)
+
+    def hand_over(info, payload) -> None:  # online: a unit's rows to the trainer
+        deliver(info, payload, progress.tick)
+        progress.status("capturing")
+        if stream == "deliver":  # no shards: what was delivered is what this run committed
+            summary.shards += 1
+            summary.committed_rows += info.rows
+            summary.committed_tokens += info.tokens
+            summary.committed_loss_tokens += info.loss_tokens
 
     def on_result(result) -> None:
         rejected.update(result.rejected.values())
@@ -481,12 +489,14 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
     try:
         pool = ReplicaPool(make_actor, cfg.replicas, commit=commit, on_result=on_result, calls=calls,
                            unit_timeout=cfg.unit_timeout, max_attempts=cfg.max_unit_attempts, on_tick=progress.tick,
-                           stream=deliver is not None)
-        done = manifest.sample_ids() | (online.consumed_ids(loc) if deliver is not None else set())
+                           stream=stream, deliver=hand_over)
+        # a resumed online run: without shards, the rows its trainer acked are done; with them (keep), the
+        # committed rows are (capture.online replays the committed ones its trainer has not acked)
+        done = manifest.sample_ids() | (online.consumed_ids(loc) if stream == "deliver" else set())
         records = _records(cfg, prep, summary, done, seen)
         for unit in _units(records, cfg.unit_tokens, cfg.replicas, cfg.first_unit_tokens):
             need = sum(r.num_tokens for r in unit) * per_token * (cfg.replicas + 1) + cfg.disk_reserve
-            free = loc.free_bytes() if deliver is None else None  # online rows never touch the disk
+            free = loc.free_bytes() if stream != "deliver" else None  # those rows never touch the disk
             if free is not None and free < need:
                 stop = f"only {free / 2**20:.0f} MiB free at {cfg.out}, the next unit needs ~{need / 2**20:.0f} MiB"
                 break
@@ -513,7 +523,7 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
     manifest_now = manifest_mod.read(loc)
     summary.total_rows = manifest_now.rows
     summary.total_tokens = manifest_now.tokens
-    if deliver is not None:  # online: what this run delivered and what earlier runs' trainers acked
+    if stream == "deliver":  # online: what this run delivered and what earlier runs' trainers acked
         summary.total_rows = summary.committed_rows + summary.already_committed
         summary.total_tokens = summary.committed_tokens
     summary.seconds = round(time.time() - started, 2)
@@ -525,8 +535,7 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
             "Free some space and rerun the same command to resume"
         )
     _remove_garbage(loc)
-    summary.self_check = (_self_check(cfg, prep, loc, progress, record)
-                          if manifest_now.shards and deliver is None else None)
+    summary.self_check = _self_check(cfg, prep, loc, progress, record) if manifest_now.shards else None
     writer.complete({
         "end_time": provenance.record.utc_now(ended),
         "dataset": dataclasses.asdict(prep.dataset),
@@ -544,7 +553,7 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
         "total_tokens": summary.total_tokens,
         "self_check": summary.self_check,
         **({"retained": summary.retained} if summary.retained else {}),
-        **({"online": True} if deliver is not None else {}),  # rows went to a trainer: committed = delivered
+        **({"online": stream} if stream else {}),  # deliver: committed = delivered to a trainer; tee: shards too
     })
     _finish_provenance(loc, record, summary, "complete", ended)
     if summary.total_rows == 0:

@@ -34,7 +34,7 @@ import threading
 from capture.config import RunConfig
 from capture.errors import CaptureError
 from shards import manifest as manifest_mod
-from shards.online import OnlineStream
+from shards.online import OnlineStream, consumed_ids
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +89,12 @@ class Online:
         return self.summary
 
 
-def start(cfg: RunConfig, world_size: int = 1, queue_units: int = 2) -> Online:
-    """Start an online capture of ``cfg`` for ``world_size`` trainer ranks (module docstring). Starts a
-    local Ray instance unless one is connected (``cfg.ray_address`` to join a cluster). Returns at once;
-    the driver runs on a daemon thread. Raises CaptureError for a world size or queue size below 1."""
+def start(cfg: RunConfig, world_size: int = 1, queue_units: int = 2, keep: bool = False) -> Online:
+    """Start an online capture of ``cfg`` for ``world_size`` trainer ranks (module docstring). ``keep``:
+    also commit every row to shards in ``cfg.out`` exactly as ``capture run`` does (same manifest,
+    provenance, audit). Starts a local Ray instance unless one is connected (``cfg.ray_address`` to join
+    a cluster). Returns at once; the driver runs on a daemon thread. Raises CaptureError for a world size
+    or queue size below 1."""
     import ray
     from ray.util.queue import Full, Queue
 
@@ -100,6 +102,8 @@ def start(cfg: RunConfig, world_size: int = 1, queue_units: int = 2) -> Online:
 
     if world_size < 1 or queue_units < 1:
         raise CaptureError("world_size and queue_units must be at least 1")
+    acked = consumed_ids(cfg.out) if manifest_mod.read(cfg.out).header is not None else set()
+    delivered: set[str] = set()  # this run's (keep: a row redone after a replica died is not sent twice)
     started = not ray.is_initialized()
     if started:
         ray.init(address=cfg.ray_address or "local", include_dashboard=False, logging_level=logging.ERROR)
@@ -107,9 +111,13 @@ def start(cfg: RunConfig, world_size: int = 1, queue_units: int = 2) -> Online:
     online = Online(cfg, queues, started_ray=started)
     ranks = itertools.cycle(range(world_size))
 
-    def deliver(infos, payload, on_wait) -> None:
+    def deliver(info, payload, on_wait) -> None:
+        skip = [sid for sid in info.sample_ids if sid in acked or sid in delivered]
+        if len(skip) == len(info.sample_ids):
+            return
+        delivered.update(info.sample_ids)
         rank = next(ranks)
-        item = ("rows", [dataclasses.asdict(i) for i in infos], payload)
+        item = ("rows", {"info": dataclasses.asdict(info), "skip": skip}, payload)
         while True:
             try:
                 queues[rank].put(item, block=True, timeout=0.5)
@@ -119,7 +127,10 @@ def start(cfg: RunConfig, world_size: int = 1, queue_units: int = 2) -> Online:
 
     def main() -> None:
         try:
-            online.summary = run(cfg, deliver=deliver).as_dict()
+            if keep:  # committed rows the trainer never acked come from the shards, before any new row
+                for info, payload in _unacked(cfg.out, acked):
+                    deliver(info, ray.put(payload), lambda status: None)
+            online.summary = run(cfg, deliver=deliver, keep=keep).as_dict()
             for q in queues:
                 q.put(("end", online.summary, None))
         except BaseException as e:  # noqa: BLE001 - handed to the trainer's streams and to join()
@@ -130,3 +141,33 @@ def start(cfg: RunConfig, world_size: int = 1, queue_units: int = 2) -> Online:
     online.thread = threading.Thread(target=main, name="online-capture", daemon=True)
     online.thread.start()
     return online
+
+
+def _unacked(run_dir: str, acked: set[str]):
+    """``(ShardInfo with path "", payload)`` per committed shard of ``run_dir`` that holds rows no trainer
+    rank acked: those rows (stored order) as one payload, the cells copied as stored."""
+    import hashlib
+
+    import numpy as np
+    import pyarrow as pa
+
+    from shards.run import as_location
+    from shards.writer import OPTIONS, ShardInfo
+
+    loc = as_location(run_dir)
+    for shard in manifest_mod.read(loc).shards:
+        rows = [i for i, sid in enumerate(shard["sample_ids"]) if sid not in acked]
+        if not rows:
+            continue
+        table = loc.read_table(shard["path"]).take(rows)
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema, options=OPTIONS) as stream:
+            stream.write_table(table)
+        buf = sink.getvalue()
+        n = table.column("num_tokens").to_numpy()
+        info = ShardInfo(path="", rows=len(rows), tokens=int(n.sum()),
+                         loss_tokens=int(table.column("num_loss_tokens").to_numpy().sum()), bytes=buf.size,
+                         sha256=hashlib.sha256(buf).hexdigest(),
+                         sample_ids=tuple(shard["sample_ids"][i] for i in rows),
+                         token_sha256=tuple(shard["token_sha256"][i] for i in rows))
+        yield info, np.frombuffer(buf, dtype=np.uint8)

@@ -155,16 +155,19 @@ class ReplicaPool:
     :class:`capture.replica.UnitResult` (progress, counts). ``unit_timeout``: seconds one unit may run
     (None: no limit). ``on_tick(status)`` is called at least every ``tick_s`` seconds while the pool waits
     (for a live display): ``status`` names what it waits for (engine loads) or is None (units running).
-    ``start_seconds``: wall-clock seconds spent waiting for replicas to load their engines. ``stream``:
-    online runs: units go to ``Replica.process_stream`` and ``commit(infos, payload)`` gets each unit's
-    payload handle too (a Ray object this process owns), committed like a shard."""
+    ``start_seconds``: wall-clock seconds spent waiting for replicas to load their engines. ``stream``
+    (online runs, :mod:`capture.online`): units go to ``Replica.process_stream`` and ``deliver(info,
+    payload)`` gets each unit's payload (a Ray object this process owns) after its shards are committed;
+    ``"deliver"``: the delivery is the unit's commit (no shards); ``"tee"``: rows count as committed only
+    once their shard is, as offline (a replica that dies with an open shard has those rows redone)."""
 
     def __init__(self, make_actor: Callable[[], object], replicas: int, *, commit: Callable[[Sequence], None],
                  on_result: Callable[[object], None], in_flight: int = 2, unit_timeout: float | None = None,
                  max_attempts: int = 3, on_tick: Callable[[str | None], None] = lambda status: None,
-                 tick_s: float = 0.5, calls: RayCalls | LocalCalls | None = None, stream: bool = False):
+                 tick_s: float = 0.5, calls: RayCalls | LocalCalls | None = None, stream: str | None = None,
+                 deliver: Callable[[object, object], None] = lambda info, payload: None):
         self.calls = calls or RayCalls()
-        self.stream = stream
+        self.stream, self.deliver = stream, deliver
         self._payloads: dict = {}  # stream: a unit's result handle → its payload handle
         if unit_timeout is not None and isinstance(self.calls, LocalCalls):
             raise CaptureError("--unit-timeout needs replicas in processes of their own (--executor ray): "
@@ -292,15 +295,17 @@ class ReplicaPool:
         slot.started = now
         for sample_id in result.rejected:
             slot.uncommitted.pop(sample_id, None)
-        self._committed(slot, result.shards, self._payloads.pop(ref, None))
+        self._committed(slot, result.shards)
+        payload = self._payloads.pop(ref, None)
+        if self.stream and result.payload is not None:
+            self.deliver(result.payload, payload)
+            if self.stream == "deliver":  # the delivery is the commit
+                for sample_id in result.payload.sample_ids:
+                    slot.uncommitted.pop(sample_id, None)
         self.on_result(result)
 
-    def _committed(self, slot: _Slot, infos: Sequence, payload=None) -> None:
-        if self.stream:
-            if infos:
-                self.commit(infos, payload)
-        else:
-            self.commit(infos)
+    def _committed(self, slot: _Slot, infos: Sequence) -> None:
+        self.commit(infos)
         for info in infos:
             for sample_id in info.sample_ids:
                 slot.uncommitted.pop(sample_id, None)

@@ -46,20 +46,22 @@ from filters import FilterConfig, apply_filters
 from shards.format import RunHeader, schema
 from shards.rows import Row
 from shards.run import Location
-from shards.writer import ShardInfo, ShardWriter, StreamWriter
+from shards.writer import ShardInfo, ShardWriter, StreamWriter, TeeWriter
 
 
 _CLOSE = object()  # a writer queue item: close the open shard
+_PAYLOAD = object()  # a writer queue item (stream modes): close the unit's payload
 
 
 @dataclasses.dataclass
 class UnitResult:
-    shards: list[ShardInfo]  # closed shards (stream mode: one ShardInfo with path "" for the unit's payload)
+    shards: list[ShardInfo]  # closed shards
     rejected: dict[str, str]  # sample_id → reason
     tokens: int  # tokens prefilled in this unit
     rows: int
     engine_seconds: float = 0.0  # in engine forward/generate calls
     write_seconds: float = 0.0  # the writer thread's encoding and I/O since the last unit (beside the engine)
+    payload: ShardInfo | None = None  # stream modes: what the unit's payload holds (path ""), None if no row
 
 
 def length_batches(records: Sequence[Tokenized], batch_tokens: int | None) -> list[list[Tokenized]]:
@@ -111,7 +113,7 @@ class Replica:
     def __init__(self, model_dir: str, taps: Taps, header: RunHeader, out: Location | str, *, shard_size: int,
                  batch_tokens: int, threads: int | None = None, codec_threads: int = 2,
                  engine: EngineSpec = EngineSpec("hf"), filters: FilterConfig | None = None, feed=None,
-                 commit_seconds: float = float("inf"), stream: bool = False):
+                 commit_seconds: float = float("inf"), stream: str | None = None):
         self._load = lambda: load_engine(engine, model_dir, taps, argmax=header.argmax, dtype=header.dtype,
                                          threads=threads, topk=header.topk)
         self.engine = None  # loaded by start(): a Ray actor's constructor error loses its exception type
@@ -121,11 +123,14 @@ class Replica:
         self.batch_tokens = None if engine.capabilities.own_batching else batch_tokens
         self.responses = header.responses
         self.filters = dataclasses.replace(filters or FilterConfig(), dedup=False)
-        # stream mode (online runs, capture.online): the unit's rows go back as one Arrow IPC payload
-        # (:meth:`process_stream`), encoded exactly as shard rows; nothing is written to disk
-        self.writer = (StreamWriter(schema(header), threads=codec_threads) if stream
-                       else ShardWriter(out, schema(header), shard_size, threads=codec_threads))
-        self.stream = stream
+        # stream modes (online runs, capture.online): the unit's rows also go back as one Arrow IPC payload
+        # (:meth:`process_stream`), encoded exactly as shard rows; "deliver": no shard is written, "tee": shards too
+        if stream not in (None, "deliver", "tee"):
+            raise ValueError(f"stream mode {stream!r}")
+        shards = ShardWriter(out, schema(header), shard_size, threads=codec_threads) if stream != "deliver" else None
+        payloads = StreamWriter(schema(header), threads=codec_threads) if stream else None
+        self.writer = TeeWriter(shards, payloads) if stream == "tee" else shards or payloads
+        self._payloads: queue.SimpleQueue = queue.SimpleQueue()  # writer thread → process_stream
         self._queue: queue.Queue = queue.Queue(maxsize=2)
         self._closed: queue.SimpleQueue[ShardInfo] = queue.SimpleQueue()  # writer thread → caller
         self._error: BaseException | None = None
@@ -151,8 +156,12 @@ class Replica:
             if self._error is None:  # else drop: nothing of a failed writer is committed; the error goes to the driver
                 t0 = time.perf_counter()
                 try:
-                    for info in (self.writer.close() if rows is _CLOSE else self.writer.write(rows)):
-                        self._closed.put(info)
+                    if rows is _PAYLOAD:
+                        for item in self.writer.close_payload():
+                            self._payloads.put(item)
+                    else:
+                        for info in (self.writer.close() if rows is _CLOSE else self.writer.write(rows)):
+                            self._closed.put(info)
                 except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
                     self._error = e
                 self._write_seconds += time.perf_counter() - t0
@@ -197,9 +206,7 @@ class Replica:
                 self._opened = self._opened or time.monotonic()
             result.tokens += sum(r.num_tokens for r in batch)
             result.rows += len(rows)
-        if self.stream:
-            pass  # process_stream closes the unit's payload
-        elif self._opened is not None and (not self._closed_any or time.monotonic() - self._opened >= self.commit_seconds):
+        if self._opened is not None and (not self._closed_any or time.monotonic() - self._opened >= self.commit_seconds):
             self._queue.put(_CLOSE)  # the open shard closes now and commits with this unit
             self._queue.join()
             self._opened = None
@@ -209,17 +216,20 @@ class Replica:
         return result
 
     def process_stream(self, unit: Sequence[Tokenized] | Sequence[Prompt]) -> tuple[UnitResult, np.ndarray]:
-        """Stream mode: :meth:`process`, then the unit's rows as ``(result, payload)``: ``payload`` a uint8
+        """Stream modes: :meth:`process`, then the unit's rows as ``(result, payload)``: ``payload`` a uint8
         array holding one Arrow IPC stream (the run's shard schema and cells; Ray hands it on zero-copy),
-        ``result.shards`` one ShardInfo describing it (``path`` ""; no rows: no ShardInfo, empty payload).
+        ``result.payload`` the ShardInfo describing it (``path`` ""; no rows: None and an empty payload);
+        ``result.shards`` the shards closed meanwhile ("tee" mode).
         Called with two returns (``num_returns=2``) so that the payload is an object the driver owns: it
         outlives this replica."""
         result = self.process(unit)
-        self._queue.put(_CLOSE)
+        self._queue.put(_PAYLOAD)
         self._queue.join()
-        infos = self._collect()
-        result.shards = [info for info, _ in infos]
-        payload = infos[0][1] if infos else np.zeros(0, dtype=np.uint8)
+        if self._error is not None:
+            raise self._error
+        payload = np.zeros(0, dtype=np.uint8)
+        while not self._payloads.empty():
+            result.payload, payload = self._payloads.get()
         return result, payload
 
     def _report(self, tokens: int) -> None:

@@ -2,7 +2,9 @@
 through Ray, never from disk, and the consumed-ids log that makes a restarted trainer resume exactly once.
 
 **Transport.** Each trainer rank has a bounded ``ray.util.queue.Queue``. Its items are
-``("rows", info, payload)``: ``info`` the rows' :class:`shards.writer.ShardInfo` as a dict (``path`` ""),
+``("rows", {"info", "skip"}, payload)``: ``info`` the rows' :class:`shards.writer.ShardInfo` as a dict
+(``path`` ""), ``skip`` the sample ids among them the trainer must not get again (a ``keep`` run redoes
+rows whose shard a dead replica never closed),
 ``payload`` the handle (``ray.ObjectRef``) of a uint8 array holding one Arrow IPC stream with the run's
 shard schema and cells (:class:`shards.writer.StreamWriter`), owned by the capture's driver, not by the
 replica that made it; ``("end", summary)`` after the last rows; ``("error", message)`` when the capture
@@ -99,7 +101,10 @@ class OnlineStream(IterableDataset):
             table = rows_of(ray.get(payload))
             self.wait_seconds += time.monotonic() - t0
             last = time.monotonic()
-            for row in range(table.num_rows):
+            skip = set(info["skip"])  # rows this trainer already has (acked, or sent before a replica died)
+            for row, sid in enumerate(table.column("sample_id").to_pylist()):
+                if sid in skip:
+                    continue
                 yield row_sample(table, row, self.taps_layers, self.header.argmax, self.final_kind is not None,
                                  self.topk)
 

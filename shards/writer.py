@@ -83,8 +83,9 @@ class ShardWriter:
         self._open: tuple[ShardSink, pa.ipc.RecordBatchStreamWriter] | None = None
         self._rows: list[tuple[str, str, int, int]] = []  # sample_id, token_sha256, tokens, loss tokens
 
-    def write(self, rows: Sequence[Row]) -> list[ShardInfo]:
-        """Append ``rows`` as one record batch; returns the shards this call closed (maybe none)."""
+    def write(self, rows: Sequence[Row], batch: pa.RecordBatch | None = None) -> list[ShardInfo]:
+        """Append ``rows`` as one record batch (``batch``: those rows already encoded, e.g. by a
+        :class:`TeeWriter`); returns the shards this call closed (maybe none)."""
         if not rows:
             return []
         try:
@@ -92,7 +93,7 @@ class ShardWriter:
                 name = f"shard-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:12]}.arrow"
                 sink = self.location.open_shard(name)
                 self._open = (sink, pa.ipc.new_stream(sink, self.schema, options=self.options))
-            self._open[1].write_batch(record_batch(self.schema, rows, self.encode))
+            self._open[1].write_batch(batch if batch is not None else record_batch(self.schema, rows, self.encode))
         except BaseException:
             self.abort()
             raise
@@ -134,10 +135,11 @@ class ShardWriter:
 
 
 class StreamWriter:
-    """A :class:`ShardWriter` without a file (online runs): rows are encoded exactly as shard rows (same
-    schema, codec and cell checks) into one in-memory Arrow IPC stream, handed out by :meth:`close` as
-    ``(ShardInfo with path "", payload)``; ``payload`` is a read-only uint8 numpy array over the stream's
-    bytes, ``bytes``/``sha256`` in the info describe it. Not thread-safe; one per replica."""
+    """The payload side of an online run (:mod:`capture.online`): rows encoded exactly as shard rows (same
+    schema, codec and cell checks) into one in-memory Arrow IPC stream per work unit, handed out by
+    :meth:`close_payload` as ``(ShardInfo with path "", payload)``; ``payload`` is a read-only uint8 numpy
+    array over the stream's bytes, ``bytes``/``sha256`` in the info describe it. Writes no shard
+    (:meth:`close` closes none; :class:`TeeWriter` writes both). Not thread-safe; one per replica."""
 
     def __init__(self, schema: pa.Schema, threads: int = 1):
         self.encode = CellEncoder(schema, threads)
@@ -145,15 +147,19 @@ class StreamWriter:
         self._batches: list[pa.RecordBatch] = []
         self._rows: list[tuple[str, str, int, int]] = []
 
-    def write(self, rows: Sequence[Row]) -> list:
-        """Encode ``rows`` as one record batch of the open payload; closes nothing (returns [])."""
+    def write(self, rows: Sequence[Row], batch: pa.RecordBatch | None = None) -> list:
+        """Add ``rows`` (``batch``: already encoded) to the open payload; closes no shard (returns [])."""
         if rows:
-            self._batches.append(record_batch(self.schema, rows, self.encode))
+            self._batches.append(batch if batch is not None else record_batch(self.schema, rows, self.encode))
             self._rows += [(r.sample_id, r.token_sha256, r.num_tokens, r.num_loss_tokens) for r in rows]
         return []
 
     def close(self) -> list:
-        """``[(ShardInfo, payload)]`` for the rows written since the last close (``[]`` when none)."""
+        """No shard to close: ``[]``."""
+        return []
+
+    def close_payload(self) -> list:
+        """``[(ShardInfo, payload)]`` for the rows written since the last call (``[]`` when none)."""
         if not self._rows:
             return []
         sink = pa.BufferOutputStream()
@@ -161,13 +167,38 @@ class StreamWriter:
             for batch in self._batches:
                 stream.write_batch(batch)
         buf = sink.getvalue()
-        payload = np.frombuffer(buf, dtype=np.uint8)
         info = ShardInfo(path="", rows=len(self._rows), tokens=sum(r[2] for r in self._rows),
                          loss_tokens=sum(r[3] for r in self._rows), bytes=buf.size,
                          sha256=hashlib.sha256(buf).hexdigest(), sample_ids=tuple(r[0] for r in self._rows),
                          token_sha256=tuple(r[1] for r in self._rows))
         self._batches, self._rows = [], []
-        return [(info, payload)]
+        return [(info, np.frombuffer(buf, dtype=np.uint8))]
 
     def abort(self) -> None:
         self._batches, self._rows = [], []
+
+
+class TeeWriter:
+    """Shards and payloads of the same rows (an online run with ``keep``): each batch is encoded once,
+    appended to the open shard (:class:`ShardWriter`, closing and committing as in ``capture run``) and
+    to the unit's payload (:class:`StreamWriter`)."""
+
+    def __init__(self, shards: ShardWriter, payloads: StreamWriter):
+        self.shards, self.payloads = shards, payloads
+
+    def write(self, rows: Sequence[Row]) -> list[ShardInfo]:
+        if not rows:
+            return []
+        batch = record_batch(self.shards.schema, rows, self.shards.encode)
+        self.payloads.write(rows, batch)
+        return self.shards.write(rows, batch)
+
+    def close(self) -> list[ShardInfo]:
+        return self.shards.close()
+
+    def close_payload(self) -> list:
+        return self.payloads.close_payload()
+
+    def abort(self) -> None:
+        self.shards.abort()
+        self.payloads.abort()

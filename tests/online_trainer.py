@@ -34,13 +34,14 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--ack-every", type=int, default=1)
     ap.add_argument("--crash-after", type=int)
+    ap.add_argument("--keep", action="store_true", help="also commit every row to shards (a tee)")
     ap.add_argument("--regenerate", type=int, help="self-distillation: the last answer regenerated, at most N tokens")
     args = ap.parse_args()
     regenerate = {"responses": "regenerate", "max_new_tokens": args.regenerate} if args.regenerate else {}
     cfg = from_mapping({"target": "smollm2-135m", "dataset": args.dataset, "layers": "3,15", "final": "post-norm",
                         "limit": args.limit, "max_tokens": 256, "overlength": "truncate", "replicas": args.replicas,
                         "cpus_per_replica": 1, "unit_tokens": 600, "out": args.out, "progress": False, **regenerate})
-    run = online.start(cfg)
+    run = online.start(cfg, keep=args.keep)
     stream = run.stream(0, timeout_s=300)
     pending = []
     for n, sample in enumerate(stream, 1):

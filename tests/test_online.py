@@ -8,10 +8,13 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import REPO, capture_cli
 from shards import manifest as manifest_mod
 from shards.online import consumed_ids
 from shards.stream import ShardStream
+from shards.verify import verify
 from test_scale import SAMPLE_NAME, env_for, tag, tagged_pids  # noqa: F401 - tag is a fixture
 
 import online_trainer
@@ -56,10 +59,34 @@ def test_online_rows_equal_an_offline_run_bit_for_bit(tmp_path, sample_jsonl, ta
     assert sorted(p.name for p in out.iterdir() if p.suffix == ".arrow") == []
     assert consumed_ids(out) == set(want)
 
+    # --keep: the same rows to the trainer, and shards equal to the offline run's row for row
+    tee = tmp_path / "tee"
+    proc = trainer(tee, sample_jsonl, tag, "--keep")
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert {r["id"]: r["sha"] for r in lines_of(stdout)[0]} == want
+    assert {s["sample_id"]: online_trainer.digest(s) for s in ShardStream(tee)} == want
+    assert_tee(tee)
+    assert manifest_mod.read(tee).completions[-1]["online"] == "tee"
 
-def test_replica_killed_mid_unit_online_delivers_exactly_once(tmp_path, sample_jsonl, tag):
+
+def all_ids() -> list[str]:
+    return sorted(f"{SAMPLE_NAME}:{i}" for i in range(LIMIT))
+
+
+def assert_tee(out) -> None:
+    """A --keep run's shards: every row once, verified, complete."""
+    report = verify(out)
+    assert report.ok and report.complete and report.rows == LIMIT, report.problems
+    assert sorted(s["sample_id"] for s in ShardStream(out)) == all_ids()
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["no-shards", "keep"])
+def test_replica_killed_mid_unit_online_delivers_exactly_once(tmp_path, sample_jsonl, tag, keep):
+    """A replica killed mid-unit: its unit is redone, the trainer gets every row once; with --keep the rows
+    of the dead replica's open shard are captured again for the shards but not sent to the trainer twice."""
     out = tmp_path / "online"
-    proc = trainer(out, sample_jsonl, tag)
+    proc = trainer(out, sample_jsonl, tag, *(["--keep"] if keep else []))
     killed = None
     deadline = time.monotonic() + 300
     while killed is None and proc.poll() is None and time.monotonic() < deadline:
@@ -74,31 +101,40 @@ def test_replica_killed_mid_unit_online_delivers_exactly_once(tmp_path, sample_j
     assert proc.returncode == 0, stderr[-3000:]
     rows, end = lines_of(stdout)
     ids = [r["id"] for r in rows]
-    assert sorted(ids) == sorted(f"{SAMPLE_NAME}:{i}" for i in range(LIMIT))  # none lost, none twice
+    assert sorted(ids) == all_ids()  # none lost, none twice
     s = end["summary"]
     assert sum(r["restarts"] for r in s["replicas"]) == 1
     assert [f for r in s["replicas"] for f in r["failures"]] == ["replica process died"]
+    if keep:
+        assert_tee(out)
 
 
-def test_trainer_killed_after_a_checkpoint_resumes_exactly_once(tmp_path, sample_jsonl, tag):
+@pytest.mark.parametrize("keep", [False, True], ids=["no-shards", "keep"])
+def test_trainer_killed_after_a_checkpoint_resumes_exactly_once(tmp_path, sample_jsonl, tag, keep):
     """The trainer acks every 2 samples and dies hard after acking 6; the restarted trainer (a new online
-    capture of the same run folder) gets exactly the other rows."""
+    capture of the same run folder) gets exactly the other rows: without shards they are captured again,
+    with --keep the committed ones come from the shards and the rest are captured."""
     out = tmp_path / "online"
-    first = trainer(out, sample_jsonl, tag, "--ack-every", "2", "--crash-after", "6")
+    tee = ["--keep"] if keep else []
+    first = trainer(out, sample_jsonl, tag, "--ack-every", "2", "--crash-after", "6", *tee)
     stdout, stderr = first.communicate(timeout=600)
     assert first.returncode == 3, stderr[-3000:]
     before = [r["id"] for r in lines_of(stdout)[0]]
     assert len(before) == 6 and consumed_ids(out) == set(before)
     assert not manifest_mod.read(out).complete
 
-    second = trainer(out, sample_jsonl, tag)
+    second = trainer(out, sample_jsonl, tag, *tee)
     stdout, stderr = second.communicate(timeout=600)
     assert second.returncode == 0, stderr[-3000:]
     rows, end = lines_of(stdout)
     after = [r["id"] for r in rows]
     assert not set(before) & set(after)
-    assert sorted(before + after) == sorted(f"{SAMPLE_NAME}:{i}" for i in range(LIMIT))
-    assert end["summary"]["already_committed"] == 6 and end["summary"]["committed_rows"] == LIMIT - 6
+    assert sorted(before + after) == all_ids()
+    if keep:  # the shards hold every row once; this run captured only what the first had not committed
+        assert_tee(out)
+        assert end["summary"]["already_committed"] + end["summary"]["committed_rows"] == LIMIT
+    else:
+        assert end["summary"]["already_committed"] == 6 and end["summary"]["committed_rows"] == LIMIT - 6
 
 
 def test_self_distillation_online(tmp_path, sample_jsonl, tag):
@@ -113,4 +149,4 @@ def test_self_distillation_online(tmp_path, sample_jsonl, tag):
     assert all(1 <= r["loss_tokens"] <= 8 for r in rows)
     assert manifest_mod.read(out).header.mode == "regenerate"
     assert json.loads((out / "provenance.json").read_text())["invocations"][-1]["status"] == "complete"
-    assert manifest_mod.read(out).completions[-1]["online"] is True
+    assert manifest_mod.read(out).completions[-1]["online"] == "deliver"
