@@ -314,7 +314,13 @@ def shards_stat(run_dir, as_json) -> None:
 
     def render(s):
         for k, v in s.items():
-            if k != "sources":
+            if k == "last_completion" and v:  # one line per field, not one long dict
+                click.echo(f"{k:28s} {v.get('end_time')}")
+                for field in ("rows_read", "committed_rows", "already_committed", "total_rows", "total_tokens",
+                              "skipped", "rejected", "quarantined", "retained", "online"):
+                    if v.get(field) not in (None, {}, []):
+                        click.echo(f"  {field:26s} {v[field]}")
+            elif k != "sources":
                 click.echo(f"{k:28s} {v}")
         _table([{"source": k, **v} for k, v in s.get("sources", {}).items()])
 
@@ -351,6 +357,8 @@ def shards_verify(run_dir, as_json) -> None:
         if r["removed_shards"]:
             click.echo(f"note: {r['removed_shards']} shard(s), {r['removed_rows']} rows removed after every reader "
                        "consumed them (--retain): not checked")
+        if not r["rows"] and not r["removed_rows"] and not r["problems"]:
+            click.echo("note: the run holds no rows (its completion record says why: `capture shards stat`)")
         state = "complete" if r["complete"] else "incomplete (no completion record yet)"
         verdict = "OK" if not r["problems"] else f"{len(r['problems'])} problem(s)"
         click.echo(f"{verdict}: {r['shards']} shards, {r['rows']} rows, {r['tokens']:,} tokens; run {state}")

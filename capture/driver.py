@@ -183,12 +183,15 @@ def prepare(cfg: RunConfig) -> Prepared:
 
 def run_engine(out: str) -> str | None:
     """The engine the run at ``out`` was captured with (its header's ``engine.name``), None when there is
-    no run there (or it cannot be read: ``run`` reports that itself)."""
+    no run there, it holds nothing yet (:func:`shards.manifest.holds_nothing`), or it cannot be read
+    (``run`` reports that itself)."""
     try:
         m = manifest_mod.read(resolve(out))
     except Exception:  # noqa: BLE001 - a missing or unreadable folder: run() gives the message
         return None
-    return m.header.engine.get("name") if m.header is not None else None
+    if m.header is None or manifest_mod.holds_nothing(resolve(out), m):  # nothing committed: choose afresh
+        return None
+    return m.header.engine.get("name")
 
 
 def resume_arithmetic(cfg: RunConfig, prep: Prepared, existing: manifest_mod.Manifest) -> Prepared:
@@ -331,8 +334,9 @@ def run(cfg: RunConfig, deliver: Callable | None = None, keep: bool = False) -> 
         if existing.header is None and [e for e in loc.entries() if e != LOCK]:
             raise CaptureError(f"{cfg.out} is not empty and holds no capture run ({loc.manifest_name}); "
                                "give a new or empty folder")
-        prep = resume_arithmetic(cfg, prep, existing)
-        manifest_mod.check_identity(cfg.out, existing, prep.header)  # before Ray starts (checked again under the lock)
+        if not manifest_mod.holds_nothing(loc, existing):  # a run with nothing committed may start again
+            prep = resume_arithmetic(cfg, prep, existing)
+            manifest_mod.check_identity(cfg.out, existing, prep.header)  # before Ray starts (again under the lock)
         damaged = [e["path"] for e in existing.shards if loc.size(e["path"]) != e["bytes"]]
         if damaged:  # a resume would skip their rows for good
             raise CaptureError(f"{cfg.out}: {len(damaged)} committed shard(s) are missing or of another size "

@@ -31,7 +31,7 @@ import os
 
 from capture.errors import CaptureError
 from shards.format import FormatError, RunHeader
-from shards.run import MANIFEST, Location, ManifestLog, as_location
+from shards.run import MANIFEST, MANIFEST_DIR, Location, ManifestLog, as_location
 from shards.writer import ShardInfo
 
 log = logging.getLogger(__name__)
@@ -175,6 +175,12 @@ class ManifestWriter:
         loc = as_location(run)
         loc.create()
         manifest = read(loc)
+        if manifest.header is not None and manifest.header.identity_diff(header) and holds_nothing(loc, manifest):
+            log.warning("%s: the run there holds no rows yet (it was started with another %s and stopped before "
+                        "its first commit); starting it again with these settings", loc.path,
+                        ", ".join(manifest.header.identity_diff(header)))
+            reset(loc)
+            manifest = read(loc)
         check_identity(loc.path, manifest, header)
         writer = cls(loc.manifest_log(manifest.committed_bytes))
         if manifest.header is None:
@@ -197,6 +203,22 @@ class ManifestWriter:
         """Record the dataset a run reads, once (see :func:`check_dataset`)."""
         if check_dataset(manifest, ref):
             self.log.append({"kind": "dataset", "dataset": ref})
+
+
+def holds_nothing(loc: Location, manifest: Manifest) -> bool:
+    """Whether the run at ``loc`` has nothing to keep: no shard line, no removal, no completion record
+    and no reader's ack (e.g. a run whose engine failed to start after its header was written)."""
+    acks = [n for n in loc.names() if n.startswith(("consumed-", "online-consumed-"))]
+    return not (manifest.all_shards or manifest.removals or manifest.completions or acks)
+
+
+def reset(loc: Location) -> None:
+    """Remove the manifest of a run that :func:`holds_nothing` (its header and dataset lines)."""
+    if loc.local:
+        loc.delete(MANIFEST)
+    else:
+        for name in loc.names(MANIFEST_DIR):
+            loc.delete(f"{MANIFEST_DIR}/{name}")
 
 
 def check_identity(run: str, manifest: Manifest, header: RunHeader) -> None:

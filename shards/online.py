@@ -82,6 +82,11 @@ class OnlineStream(IterableDataset):
     def __iter__(self) -> Iterator[dict]:
         import ray
         from ray.util.queue import Empty
+        from torch.utils.data import get_worker_info
+
+        if get_worker_info() is not None:
+            raise CaptureError("iterate an OnlineStream in the process that started the run "
+                               "(DataLoader num_workers=0): its queue belongs to that process's Ray connection")
 
         last = time.monotonic()
         while True:

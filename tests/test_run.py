@@ -173,3 +173,20 @@ def test_dtype_is_recorded_kept_on_resume_and_refused_for_other_engines(tmp_path
     assert other.exit_code == 2 and "was computed in float32; --dtype bfloat16 would mix two arithmetics" in other.stderr
     vllm = capture_inproc("run", "--out", str(tmp_path / "v"), "--engine", "vllm", "--dtype", "float32", "--dry-run")
     assert vllm.exit_code == 2 and "--dtype applies only to the hf engine; this run uses vllm" in vllm.stderr
+
+
+def test_a_run_that_committed_nothing_starts_again_with_new_settings(tmp_path, reader_run):
+    """A header-only folder (an engine that failed to start after the header was written) is no run to
+    protect: another codec (or engine) starts it afresh, with a warning; once a row is committed the same
+    change is refused."""
+    out = tmp_path / "run"
+    old = manifest.read(reader_run).header
+    manifest.ManifestWriter.open(out, old.replace(codec="fp8-e4m3"))
+    args = ["run", "--out", str(out), "--dataset", "sharegpt", "--layers", "3,15,27", "--final", "post-norm",
+            "--limit", "2", "--json", *SMALL]
+    proc = capture_cli(*args, check=True)
+    assert "holds no rows yet" in proc.stderr and "codec" in proc.stderr
+    m = manifest.read(out)
+    assert m.header.codec == "bf16-split" and m.rows == summary_of(proc)["total_rows"] > 0
+    refused = capture_cli(*args, "--codec", "fp8-e4m3")
+    assert refused.returncode == 2 and "different codec" in refused.stderr
