@@ -44,6 +44,14 @@ CODECS = {  # ratio vs raw bf16, encode MB/s of raw bf16 per core (bench/codecs.
 }
 
 
+CASES = (("optimistic", 1.0), ("conservative", 1 / 3))  # fraction of the published prefill rate
+
+
+def node_rate(fraction: float) -> float:
+    """Captured tokens/s of one TP8 node at ``fraction`` of the published prefill rate (module docstring)."""
+    return PUBLISHED_PREFILL_PER_GPU * ACTIVE_SCALE * fraction * GPUS_PER_REPLICA * CAPTURE_OVERHEAD
+
+
 def main() -> None:
     tokens = CONVERSATIONS * TOKENS_PER_CONVERSATION
     raw_per_token = TAPS * HIDDEN * 2
@@ -53,8 +61,8 @@ def main() -> None:
     print("| case | tokens/s per node (8 GPUs) | hours for the corpus, 1 node | raw state GB/s | codec | "
           "written GB/s | encode cores |")
     print("|---|---:|---:|---:|---|---:|---:|")
-    for case, fraction in (("optimistic", 1.0), ("conservative", 1 / 3)):
-        rate = PUBLISHED_PREFILL_PER_GPU * ACTIVE_SCALE * fraction * GPUS_PER_REPLICA * CAPTURE_OVERHEAD
+    for case, fraction in CASES:
+        rate = node_rate(fraction)
         raw = rate * raw_per_token
         for codec, (ratio, mbps) in CODECS.items():
             written = rate * (raw_per_token * ratio + SCALARS)
@@ -74,8 +82,8 @@ def main() -> None:
     print("| case | codec | network GB/s per producer node | trainer tokens/s per node (9:6) | "
           "trainer nodes per producer node | object store GB, bound |")
     print("|---|---|---:|---:|---:|---:|")
-    for case, fraction in (("optimistic", 1.0), ("conservative", 1 / 3)):
-        rate = PUBLISHED_PREFILL_PER_GPU * ACTIVE_SCALE * fraction * GPUS_PER_REPLICA * CAPTURE_OVERHEAD
+    for case, fraction in CASES:
+        rate = node_rate(fraction)
         for codec, (ratio, _) in CODECS.items():
             per_token = raw_per_token * ratio + SCALARS
             units = QUEUE_UNITS * 8 + 2 * 1 + 1

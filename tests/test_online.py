@@ -6,7 +6,6 @@ exactly its own replica or trainer."""
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -15,7 +14,7 @@ from shards import manifest as manifest_mod
 from shards.online import consumed_ids
 from shards.stream import ShardStream
 from shards.verify import verify
-from test_scale import SAMPLE_NAME, env_for, tag, tagged_pids  # noqa: F401 - tag is a fixture
+from test_scale import SAMPLE_NAME, env_for, kill_a_busy_replica, tag  # noqa: F401 - tag is a fixture
 
 import online_trainer
 
@@ -87,15 +86,7 @@ def test_replica_killed_mid_unit_online_delivers_exactly_once(tmp_path, sample_j
     of the dead replica's open shard are captured again for the shards but not sent to the trainer twice."""
     out = tmp_path / "online"
     proc = trainer(out, sample_jsonl, tag, *(["--keep"] if keep else []))
-    killed = None
-    deadline = time.monotonic() + 300
-    while killed is None and proc.poll() is None and time.monotonic() < deadline:
-        busy = tagged_pids(tag, "ray::Replica.process_stream")
-        if busy:
-            time.sleep(0.5)  # well inside the unit
-            subprocess.run(["kill", "-9", str(busy[0])], check=False)
-            killed = busy[0]
-        time.sleep(0.2)
+    killed = kill_a_busy_replica(proc, tag, "ray::Replica.process_stream")
     stdout, stderr = proc.communicate(timeout=600)
     assert killed is not None, "no replica was ever seen processing a unit"
     assert proc.returncode == 0, stderr[-3000:]

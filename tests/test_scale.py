@@ -93,19 +93,25 @@ def assert_exactly_once(out: Path) -> None:
     assert m.complete
 
 
+def kill_a_busy_replica(proc: subprocess.Popen, tag: str, title: str = "ray::Replica.process") -> int | None:
+    """SIGKILL the first tagged replica seen running a unit (Ray's process title ``title``) half a second
+    into it, while ``proc`` runs; its pid, or None when none was seen within 300 s."""
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        busy = tagged_pids(tag, title)
+        if busy:
+            time.sleep(0.5)  # well inside the unit
+            os.kill(busy[0], signal.SIGKILL)
+            return busy[0]
+        time.sleep(0.2)
+    return None
+
+
 def test_replica_killed_mid_unit_run_completes_exactly_once(tmp_path, sample_jsonl, tag):
     out = tmp_path / "run"
     proc = subprocess.Popen(run_cmd(out, sample_jsonl, "--replicas", "2", "--cpus-per-replica", "1"), cwd=REPO,
                             env=env_for(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    killed = None
-    deadline = time.monotonic() + 300
-    while killed is None and proc.poll() is None and time.monotonic() < deadline:
-        busy = tagged_pids(tag, "ray::Replica.process")
-        if busy:
-            time.sleep(0.5)  # well inside the unit
-            os.kill(busy[0], signal.SIGKILL)
-            killed = busy[0]
-        time.sleep(0.2)
+    killed = kill_a_busy_replica(proc, tag)
     stdout, stderr = proc.communicate(timeout=600)
     assert killed is not None, "no replica was ever seen processing a unit"
     assert proc.returncode == 0, stderr[-3000:]
