@@ -23,7 +23,8 @@ def loaded_after(statement: str) -> set[str]:
 
 
 @pytest.mark.parametrize("statement", ["import shards.stream", "import shards.verify", "import shards.recode",
-                                       "import shards.export", "import shards.summary", "import drafter.data"])
+                                       "import shards.export", "import shards.summary", "import drafter.data",
+                                       "import shards.retain", "import shards.online"])
 def test_the_shard_layer_loads_no_front_end(statement):
     loaded = loaded_after(statement)
     assert not loaded & set(FRONT_END), sorted(loaded & set(FRONT_END))
