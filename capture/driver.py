@@ -482,7 +482,8 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
     def on_result(result) -> None:
         rejected.update(result.rejected.values())
         prefilled[0] += result.rows
-        eta = _eta(time.time() - started, summary.rows_read, cfg.limit)
+        eta = _eta(time.time() - started, prefilled[0] + sum(rejected.values()), summary.kept, summary.rows_read,
+                   cfg.limit)
         progress.postfix(rows=prefilled[0], committed=summary.committed_rows,
                          MiB=round(summary.committed_bytes / 2**20), **({"eta": eta} if eta else {}))
         progress.tick()
@@ -599,12 +600,15 @@ def _self_check(cfg: RunConfig, prep: Prepared, loc: Location, progress: Progres
     return verdict
 
 
-def _eta(elapsed: float, rows_read: int, limit: int | None) -> str | None:
-    """Time left as H:MM:SS when the rows to read are known (``--limit``), from the rows read so far
-    (they run at most two units per replica ahead of the engine); None otherwise."""
-    if not limit or not rows_read:
+def _eta(elapsed: float, done: int, kept: int, rows_read: int, limit: int | None) -> str | None:
+    """Time left as H:MM:SS when the rows to read are known (``--limit``): the records the engine will
+    get are estimated as ``limit`` x the share of rows read so far that were kept, and the time left from
+    the records it has done (``done``, rejected ones included); None otherwise. (The rows read run ahead
+    of the engine by whole units, so they say nothing about the time left.)"""
+    if not limit or not rows_read or not done:
         return None
-    left = max(0.0, elapsed * (limit - rows_read) / rows_read)
+    expected = max(kept, limit * kept / rows_read) if rows_read < limit else kept
+    left = max(0.0, elapsed * (expected - done) / done)
     return time.strftime("%H:%M:%S", time.gmtime(left))
 
 

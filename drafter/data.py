@@ -116,9 +116,12 @@ def online_samples(capture_config: str | os.PathLike, topk: bool = False) -> tup
         stream = run.stream(0, topk=topk)
         header = check_header(stream.header, cfg.out)
         samples = [prepare(s) for s in stream]
-        run.join()
+        summary = run.join()
     finally:
         run.close()
+    if not samples and summary["already_committed"]:
+        raise CaptureError(f"{cfg.out}: all {summary['already_committed']} rows were acked there by an earlier "
+                           "online run, so none was delivered again; give the capture config another out")
     samples.sort(key=lambda s: (s["sample_id"].rpartition(":")[0], int(s["sample_id"].rpartition(":")[2])))
     return header, samples, cfg.out
 

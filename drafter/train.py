@@ -109,7 +109,7 @@ def load_data(run: str, heldout_fraction: float, target_dir: str | None = None,
     train, overlap = data.disjoint(train, held)
     if not train or not held:
         raise CaptureError(f"{run}: {len(train)} train and {len(held)} held-out conversations ({where}); "
-                           "both sets need at least one")
+                           "both sets need at least one: capture more rows or change --heldout-fraction")
     embed, lm_head = load_target_head(tdir)
     if embed.shape[1] != header.hidden_size:
         raise CaptureError(f"{tdir}: hidden size {embed.shape[1]} but the run stores {header.hidden_size}")

@@ -14,8 +14,9 @@ shard it acked, so removal keeps exactly-once (a restart from an older checkpoin
 shards would exceed ``N``, it removes what the acks allow (a ``removed`` manifest line first, then the
 files) and otherwise waits, polling, and says so on the progress bar (the trainer is the bottleneck).
 Meanwhile no new work unit goes out, so the replicas stop after the units already queued: on disk are at
-most N committed shards plus, per replica, its open shard and the shards of its queued units (at most
-``in_flight`` units, each far smaller than a shard by default).
+most N committed shards plus, per replica, the shards of the units it holds (a shard commits with the unit
+that closes it: up to ``in_flight`` = 2 units of ``--unit-tokens`` each, 32,768 tokens by default, ~1.6 GB a
+unit for GLM-5.3 at bf16-split). To bound the disk tightly, lower ``--unit-tokens`` with ``--retain``.
 
 One reader group per run: every rank reads the same ``split`` with the same settings. A shard a train
 stream consumed is removed with its held-out rows (``split="heldout"`` readers must read another run, or
@@ -126,7 +127,8 @@ class Retention:
             if paths:
                 self._remove(manifest, paths, len(acks))
                 continue
-            self.on_wait(f"waiting for readers: {live} shard(s) on disk, --retain {self.limit}; {waiting_for(acks)}")
+            self.on_wait(f"waiting for readers: {live} committed shard(s) kept, --retain {self.limit}; "
+                         f"{waiting_for(acks)}")
             t0 = time.monotonic()
             time.sleep(self.poll_s)
             self.wait_seconds += time.monotonic() - t0

@@ -190,3 +190,13 @@ def test_a_run_that_committed_nothing_starts_again_with_new_settings(tmp_path, r
     assert m.header.codec == "bf16-split" and m.rows == summary_of(proc)["total_rows"] > 0
     refused = capture_cli(*args, "--codec", "fp8-e4m3")
     assert refused.returncode == 2 and "different codec" in refused.stderr
+
+
+def test_eta_counts_the_records_the_engine_has_left():
+    from capture.driver import _eta
+
+    # all 40 rows read (20 kept), 5 records through the engine in 10 s: 15 more take 30 s
+    assert _eta(10.0, 5, 20, 40, 40) == "00:00:30"
+    # half the rows read, half of them kept: 20 records expected, 15 left
+    assert _eta(10.0, 5, 10, 20, 40) == "00:00:30"
+    assert _eta(10.0, 0, 10, 20, 40) is None and _eta(10.0, 5, 10, 20, None) is None
