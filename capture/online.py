@@ -146,28 +146,11 @@ def start(cfg: RunConfig, world_size: int = 1, queue_units: int = 2, keep: bool 
 def _unacked(run_dir: str, acked: set[str]):
     """``(ShardInfo with path "", payload)`` per committed shard of ``run_dir`` that holds rows no trainer
     rank acked: those rows (stored order) as one payload, the cells copied as stored."""
-    import hashlib
-
-    import numpy as np
-    import pyarrow as pa
-
     from shards.run import as_location
-    from shards.writer import OPTIONS, ShardInfo
+    from shards.writer import payload
 
     loc = as_location(run_dir)
     for shard in manifest_mod.read(loc).shards:
         rows = [i for i, sid in enumerate(shard["sample_ids"]) if sid not in acked]
-        if not rows:
-            continue
-        table = loc.read_table(shard["path"]).take(rows)
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, table.schema, options=OPTIONS) as stream:
-            stream.write_table(table)
-        buf = sink.getvalue()
-        n = table.column("num_tokens").to_numpy()
-        info = ShardInfo(path="", rows=len(rows), tokens=int(n.sum()),
-                         loss_tokens=int(table.column("num_loss_tokens").to_numpy().sum()), bytes=buf.size,
-                         sha256=hashlib.sha256(buf).hexdigest(),
-                         sample_ids=tuple(shard["sample_ids"][i] for i in rows),
-                         token_sha256=tuple(shard["token_sha256"][i] for i in rows))
-        yield info, np.frombuffer(buf, dtype=np.uint8)
+        if rows:
+            yield payload(loc.read_table(shard["path"]).take(rows))

@@ -25,6 +25,7 @@ lives is :mod:`shards.run`'s business; this module knows what the lines mean.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -64,15 +65,14 @@ class Manifest:
     datasets: list[dict] = dataclasses.field(default_factory=list)  # every dataset the run has read
     removals: list[dict] = dataclasses.field(default_factory=list)  # the "removed" lines, in order
 
-    @property
+    @functools.cached_property
     def removed(self) -> dict[str, dict]:
         gone = {p for r in self.removals for p in r["paths"]}
         return {s["path"]: s for s in self.all_shards if s["path"] in gone}
 
-    @property
+    @functools.cached_property
     def shards(self) -> list[dict]:
-        gone = {p for r in self.removals for p in r["paths"]}
-        return [s for s in self.all_shards if s["path"] not in gone]
+        return [s for s in self.all_shards if s["path"] not in self.removed]
 
     @property
     def complete(self) -> bool:

@@ -135,7 +135,8 @@ class Retention:
             waited = True
 
     def _remove(self, manifest: manifest_mod.Manifest, paths: list[str], ranks: int) -> None:
-        rows = sum(s["rows"] for s in manifest.shards if s["path"] in set(paths))
+        gone = set(paths)
+        rows = sum(s["rows"] for s in manifest.shards if s["path"] in gone)
         self.writer.removed(paths, f"consumed by all {ranks} reader rank(s) (--retain {self.limit})")
         for path in paths:
             self.loc.delete(path)

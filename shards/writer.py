@@ -25,6 +25,7 @@ from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute in payload()
 import torch
 
 from shards import codecs
@@ -134,6 +135,20 @@ class ShardWriter:
         sink.abort()
 
 
+def payload(table: pa.Table) -> tuple[ShardInfo, np.ndarray]:
+    """``table`` (shard rows, the run's schema) as one online payload: ``(ShardInfo with path "",
+    uint8 array of one Arrow IPC stream)``; ``bytes``/``sha256`` describe the stream."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema, options=OPTIONS) as stream:
+        stream.write_table(table)
+    buf = sink.getvalue()
+    info = ShardInfo(path="", rows=table.num_rows, tokens=int(pa.compute.sum(table["num_tokens"]).as_py() or 0),
+                     loss_tokens=int(pa.compute.sum(table["num_loss_tokens"]).as_py() or 0), bytes=buf.size,
+                     sha256=hashlib.sha256(buf).hexdigest(), sample_ids=tuple(table["sample_id"].to_pylist()),
+                     token_sha256=tuple(table["token_sha256"].to_pylist()))
+    return info, np.frombuffer(buf, dtype=np.uint8)
+
+
 class StreamWriter:
     """The payload side of an online run (:mod:`capture.online`): rows encoded exactly as shard rows (same
     schema, codec and cell checks) into one in-memory Arrow IPC stream per work unit, handed out by
@@ -145,13 +160,11 @@ class StreamWriter:
         self.encode = CellEncoder(schema, threads)
         self.schema = schema
         self._batches: list[pa.RecordBatch] = []
-        self._rows: list[tuple[str, str, int, int]] = []
 
     def write(self, rows: Sequence[Row], batch: pa.RecordBatch | None = None) -> list:
         """Add ``rows`` (``batch``: already encoded) to the open payload; closes no shard (returns [])."""
         if rows:
             self._batches.append(batch if batch is not None else record_batch(self.schema, rows, self.encode))
-            self._rows += [(r.sample_id, r.token_sha256, r.num_tokens, r.num_loss_tokens) for r in rows]
         return []
 
     def close(self) -> list:
@@ -160,22 +173,14 @@ class StreamWriter:
 
     def close_payload(self) -> list:
         """``[(ShardInfo, payload)]`` for the rows written since the last call (``[]`` when none)."""
-        if not self._rows:
+        if not self._batches:
             return []
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, self.schema, options=OPTIONS) as stream:
-            for batch in self._batches:
-                stream.write_batch(batch)
-        buf = sink.getvalue()
-        info = ShardInfo(path="", rows=len(self._rows), tokens=sum(r[2] for r in self._rows),
-                         loss_tokens=sum(r[3] for r in self._rows), bytes=buf.size,
-                         sha256=hashlib.sha256(buf).hexdigest(), sample_ids=tuple(r[0] for r in self._rows),
-                         token_sha256=tuple(r[1] for r in self._rows))
-        self._batches, self._rows = [], []
-        return [(info, np.frombuffer(buf, dtype=np.uint8))]
+        out = payload(pa.Table.from_batches(self._batches, self.schema))
+        self._batches = []
+        return [out]
 
     def abort(self) -> None:
-        self._batches, self._rows = [], []
+        self._batches = []
 
 
 class TeeWriter:
