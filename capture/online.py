@@ -6,7 +6,10 @@ retries and exactly-once accounting as ``capture run``) on a thread of the calli
 replicas in stream mode: each completed work unit comes back as one Arrow IPC payload in Ray's object
 store (:class:`shards.writer.StreamWriter`, the run codec's cells), owned by the driver. The driver hands
 each payload's handle to one trainer rank's bounded queue (``ray.util.queue.Queue``, ``queue_units``
-items; ranks in turn). :class:`shards.online.OnlineStream` is the trainer's side.
+items; ranks in turn). :class:`shards.online.OnlineStream` is the trainer's side; the queue actors are
+named, and ``online-endpoint.json`` in the run folder says where they are (written with the first unit,
+or at the end of a run that delivers none), so ranks and DataLoader workers in other processes attach
+with :func:`shards.online.attach`.
 
 **Why a bounded queue of object refs** rather than Ray Data's ``streaming_split``: the replica pool
 already owns the retries of a dead replica and the exactly-once accounting, and a queue keeps each
@@ -28,15 +31,18 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
+import os
 import threading
 
 from capture.config import RunConfig
 from capture.errors import CaptureError
 from shards import manifest as manifest_mod
-from shards.online import OnlineStream, consumed_ids
+from shards.online import ENDPOINT, OnlineStream, consumed_ids
 
 log = logging.getLogger(__name__)
+NAMESPACE = "capture-online"  # the Ray namespace of every online run's queue actors
 
 
 @dataclasses.dataclass
@@ -45,19 +51,21 @@ class Online:
 
     cfg: RunConfig
     queues: list
+    endpoint: dict  # what online-endpoint.json holds: {"address", "namespace", "queues", "world_size"}
     thread: threading.Thread | None = None
     summary: dict | None = None
     error: BaseException | None = None
     started_ray: bool = False  # start() started Ray: close() shuts it down
+    delivered: set = dataclasses.field(default_factory=set)  # sample ids handed to a queue by this run
 
     def stream(self, rank: int = 0, **options) -> OnlineStream:
-        """Rank ``rank``'s :class:`shards.online.OnlineStream` (``options``: ``layers``, ``final``, ``topk``,
-        ``poll_s``, ``timeout_s``). Waits for the run header (the driver writes it once the model is
-        prepared). Raises CaptureError for a rank outside ``[0, world_size)``."""
+        """Rank ``rank``'s :class:`shards.online.OnlineStream` in this process (``options``: ``layers``,
+        ``final``, ``topk``, ``poll_s``, ``timeout_s``); other processes use :func:`shards.online.attach`.
+        Waits for the run header (the driver writes it once the model is prepared). Raises CaptureError for
+        a rank outside ``[0, world_size)``."""
         if not 0 <= rank < len(self.queues):
             raise CaptureError(f"rank {rank} is not in [0, world_size={len(self.queues)})")
-        header = self._header()
-        return OnlineStream(self.queues[rank], self.cfg.out, header, rank, **options)
+        return OnlineStream(self.endpoint, self.cfg.out, self._header(), rank, **options)
 
     def _header(self):
         import time
@@ -70,11 +78,25 @@ class Online:
                 raise CaptureError(f"online capture ended before writing its header: {self.error}")
             time.sleep(0.2)
 
-    def close(self) -> None:
-        """Stop the queues' actors, and Ray when :func:`start` started it (after :meth:`join`: rows still
-        queued are dropped, and their payloads with them)."""
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stop the queues' actors, and Ray when :func:`start` started it. ``wait_s``: first wait up to that
+        many seconds until every row this run delivered is acked (ranks in other processes still reading:
+        their queue and the payloads it refers to live in this process); rows not acked by then are
+        dropped with their payloads (logged) and delivered again by a restarted run. Without ``wait_s``
+        rows still queued are dropped at once."""
+        import time
+
         import ray
 
+        deadline = time.monotonic() + wait_s
+        while wait_s > 0:
+            missing = self.delivered - consumed_ids(self.cfg.out)
+            if not missing or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        if wait_s > 0 and missing:
+            log.warning("online: closing with %d delivered row(s) not acked; a restarted run delivers them again",
+                        len(missing))
         for q in self.queues:
             q.shutdown()
         if self.started_ray:
@@ -95,26 +117,41 @@ def start(cfg: RunConfig, world_size: int = 1, queue_units: int = 2, keep: bool 
     provenance, audit). Starts a local Ray instance unless one is connected (``cfg.ray_address`` to join
     a cluster). Returns at once; the driver runs on a daemon thread. Raises CaptureError for a world size
     or queue size below 1."""
+    import uuid
+
     import ray
     from ray.util.queue import Full, Queue
 
     from capture.driver import run
+    from shards.run import resolve
 
     if world_size < 1 or queue_units < 1:
         raise CaptureError("world_size and queue_units must be at least 1")
     acked = consumed_ids(cfg.out) if manifest_mod.read(cfg.out).header is not None else set()
-    delivered: set[str] = set()  # this run's (keep: a row redone after a replica died is not sent twice)
     started = not ray.is_initialized()
     if started:
         ray.init(address=cfg.ray_address or "local", include_dashboard=False, logging_level=logging.ERROR)
-    queues = [Queue(maxsize=queue_units, actor_options={"num_cpus": 0}) for _ in range(world_size)]
-    online = Online(cfg, queues, started_ray=started)
+    token = uuid.uuid4().hex[:12]
+    names = [f"capture-online-{token}-rank{r}" for r in range(world_size)]
+    queues = [Queue(maxsize=queue_units, actor_options={"num_cpus": 0, "name": n, "namespace": NAMESPACE})
+              for n in names]
+    endpoint = {"address": ray.get_runtime_context().gcs_address, "namespace": NAMESPACE, "queues": names,
+                "world_size": world_size, "auth_mode": os.environ.get("RAY_AUTH_MODE")}
+    online = Online(cfg, queues, endpoint, started_ray=started)
+    delivered = online.delivered  # keep: a row redone after a replica died is not sent twice
     ranks = itertools.cycle(range(world_size))
+    published = threading.Event()
+
+    def publish() -> None:  # after the header: the driver refuses a folder that holds files but no run
+        if not published.is_set():
+            resolve(cfg.out).write_bytes(ENDPOINT, json.dumps(endpoint).encode())
+            published.set()
 
     def deliver(info, payload, on_wait) -> None:
         skip = [sid for sid in info.sample_ids if sid in acked or sid in delivered]
         if len(skip) == len(info.sample_ids):
             return
+        publish()
         delivered.update(info.sample_ids)
         rank = next(ranks)
         item = ("rows", {"info": dataclasses.asdict(info), "skip": skip}, payload)
@@ -131,10 +168,13 @@ def start(cfg: RunConfig, world_size: int = 1, queue_units: int = 2, keep: bool 
                 for info, payload in _unacked(cfg.out, acked):
                     deliver(info, ray.put(payload), lambda status: None)
             online.summary = run(cfg, deliver=deliver, keep=keep).as_dict()
+            publish()
             for q in queues:
                 q.put(("end", online.summary, None))
         except BaseException as e:  # noqa: BLE001 - handed to the trainer's streams and to join()
             online.error = e
+            if manifest_mod.read(cfg.out).header is not None:  # ranks in other processes see the error too
+                publish()
             for q in queues:
                 q.put(("error", str(e) or type(e).__name__, None))
 

@@ -20,8 +20,16 @@ delivered or in flight but not acked: a row is trained on once per run, counted 
 trainer restarts from. A replica that dies mid-unit is replaced by the capture's pool and its unit
 redone; a unit's payload reaches a queue only once its unit completed, so no row is delivered twice.
 
-Iterate in the process that made the stream (DataLoader ``num_workers=0``): the queue and payload handles
-belong to this process's Ray connection.
+**Ranks and workers in other processes.** :func:`capture.online.start` names each rank's queue actor and
+writes where to find them, ``online-endpoint.json`` (the Ray cluster's GCS address, a namespace, one queue
+name per rank), into the run folder. :func:`attach` reads it in any process that can reach that cluster (a
+``torchrun`` rank, on this node or another) and returns that rank's stream. A stream holds names, not
+handles: it connects when iterated, so it pickles into DataLoader workers, which then take units from their
+rank's queue in turn (each unit to one worker; order across workers is arrival order, interleaved). A
+worker is a Ray driver of its own: spawn it (``multiprocessing_context="spawn"``) when its parent process
+is connected to Ray (a forked copy of a Ray connection does not work; refused in one line). The ``end``
+item is put back by whichever consumer takes it, so every worker of the rank stops. Acks are by sample id
+and may come from any process (the trainer's main process, after its checkpoint).
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ from shards.run import Location, as_location
 from shards.stream import row_sample
 
 PREFIX = "online-consumed-"
+ENDPOINT = "online-endpoint.json"  # where a run's queues are: {"address", "namespace", "queues", "world_size",
+#   "auth_mode"} (Ray's RAY_AUTH_MODE of the capture's process; the token itself is never written there)
 
 
 def consumed_ids(run: str | os.PathLike | Location) -> set[str]:
@@ -57,16 +67,64 @@ def rows_of(payload) -> pa.Table:
     return pa.ipc.open_stream(pa.py_buffer(payload)).read_all()
 
 
-class OnlineStream(IterableDataset):
-    """Samples of an online run for one trainer rank (module docstring). Made by
-    :meth:`capture.online.Online.stream`; ``layers``, ``final``, ``topk`` as in
-    :class:`shards.stream.ShardStream`. ``wait_seconds``: time spent waiting for rows (the capture is the
-    bottleneck while it grows); ``timeout_s``: raise CaptureError when no item arrives for that long."""
+def attach(run: str | os.PathLike | Location, rank: int = 0, wait_s: float = 600.0, **options) -> "OnlineStream":
+    """Rank ``rank``'s stream of the online run capturing into ``run``, from any process (module docstring):
+    waits up to ``wait_s`` seconds for the run's endpoint, its header and live queues (a capture that is
+    still loading its model, or an endpoint left by an earlier run of that folder). ``options``: as
+    :class:`OnlineStream`. Raises CaptureError after ``wait_s``, or for a rank outside the run's world size."""
+    from shards import manifest as manifest_mod
 
-    def __init__(self, queue, run: str | os.PathLike | Location, header: RunHeader, rank: int = 0, *,
+    loc = as_location(run)
+    deadline = time.monotonic() + wait_s
+    why = f"no {ENDPOINT} in {loc}: start the capture (capture.online.start) first"
+    while True:
+        if loc.exists(ENDPOINT):
+            endpoint = json.loads(loc.read_bytes(ENDPOINT))
+            if not 0 <= rank < endpoint["world_size"]:
+                raise CaptureError(f"rank {rank} is not in [0, world_size={endpoint['world_size']})")
+            header = manifest_mod.read(loc).header
+            stream = OnlineStream(endpoint, loc, header, rank, **options) if header is not None else None
+            if stream is not None and stream.live():
+                return stream
+            why = (f"the online run in {loc} has not written its header yet" if header is None else
+                   f"the queues named in {loc / ENDPOINT} are gone (an earlier run's endpoint?)")
+        if time.monotonic() > deadline:
+            raise CaptureError(f"online: {why} (waited {wait_s:g} s)")
+        time.sleep(0.5)
+
+
+def _token_auth() -> None:
+    """Turn on Ray's token authentication in this process, as ``ray.init(address="auto")`` does for a local
+    cluster it finds (Ray 2.60 ``worker.py``): a new local cluster enables token auth (the token in
+    ``~/.ray/auth_token``, or ``RAY_AUTH_TOKEN``) in its own process only, and an explicit address never
+    turns it on. No-op when ``RAY_AUTH_MODE`` is set or no token is found."""
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def _queue(name: str, namespace: str):
+    """The ``ray.util.queue.Queue`` whose actor is named ``name`` (the queue class has no attach-by-name
+    constructor: a shell around the named actor's handle). Raises ValueError when no such actor lives."""
+    import ray
+    from ray.util.queue import Queue
+
+    queue = Queue.__new__(Queue)
+    queue.maxsize, queue.actor = 0, ray.get_actor(name, namespace=namespace)
+    return queue
+
+
+class OnlineStream(IterableDataset):
+    """Samples of an online run for one trainer rank (module docstring). Made by :func:`attach` or
+    :meth:`capture.online.Online.stream`: ``endpoint`` is the run's ``online-endpoint.json``; ``layers``,
+    ``final``, ``topk`` as in :class:`shards.stream.ShardStream`. ``wait_seconds``: time this copy spent
+    waiting for rows (the capture is the bottleneck while it grows; a DataLoader worker's copy keeps its
+    own); ``timeout_s``: raise CaptureError when no item arrives for that long."""
+
+    def __init__(self, endpoint: dict, run: str | os.PathLike | Location, header: RunHeader, rank: int = 0, *,
                  layers: Sequence[int] | None = None, final: bool = True, topk: bool = True,
                  poll_s: float = 0.5, timeout_s: float | None = None):
-        self.queue, self.location, self.header, self.rank = queue, as_location(run), header, rank
+        self.endpoint, self.location, self.header, self.rank = endpoint, as_location(run), header, rank
         taps = list(header.tap_layers)
         wanted = taps if layers is None else [int(k) for k in layers]
         if [k for k in wanted if k not in taps] or not wanted:
@@ -78,26 +136,61 @@ class OnlineStream(IterableDataset):
         self.wait_seconds = 0.0
         self.summary: dict | None = None  # the capture's summary, once the end arrived
         self._acks = 0
+        self._queue = None  # this process's handle on the rank's queue, made when iterated (never pickled)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_queue": None}
+
+    def queue(self):
+        """This rank's queue, connecting this process to the run's Ray cluster first if it is not (a trainer
+        rank of its own, a spawned DataLoader worker). Raises CaptureError in a DataLoader worker forked
+        from a process connected to Ray (a forked copy of a Ray connection does not work)."""
+        import logging
+
+        import ray
+        from torch.utils.data import get_worker_info
+
+        if self._queue is None:
+            if not ray.is_initialized():
+                if self.endpoint.get("auth_mode") == "token":
+                    _token_auth()
+                ray.init(address=self.endpoint["address"], namespace=self.endpoint["namespace"],
+                         logging_level=logging.ERROR, log_to_driver=False)
+            elif get_worker_info() is not None:
+                raise CaptureError("a DataLoader worker forked from a process connected to Ray cannot use that "
+                                   "connection: pass multiprocessing_context='spawn' to the DataLoader")
+            self._queue = _queue(self.endpoint["queues"][self.rank], self.endpoint["namespace"])
+        return self._queue
+
+    def live(self) -> bool:
+        """Whether this rank's queue actor is alive (False for an endpoint an earlier run left)."""
+        try:
+            self.queue()
+            return True
+        except (ValueError, ConnectionError):  # no such actor; no such cluster (Ray gives up after its retries)
+            return False
 
     def __iter__(self) -> Iterator[dict]:
         import ray
         from ray.util.queue import Empty
-        from torch.utils.data import get_worker_info
 
-        if get_worker_info() is not None:
-            raise CaptureError("iterate an OnlineStream in the process that started the run "
-                               "(DataLoader num_workers=0): its queue belongs to that process's Ray connection")
-
+        queue = self.queue()
         last = time.monotonic()
         while True:
             t0 = time.monotonic()
             try:
-                kind, info, payload = self.queue.get(block=True, timeout=self.poll_s)
+                item = queue.get(block=True, timeout=self.poll_s)
+                kind, info, payload = item
             except Empty:
                 self.wait_seconds += time.monotonic() - t0
                 if self.timeout_s is not None and time.monotonic() - last > self.timeout_s:
                     raise CaptureError(f"online: no rows from the capture for {self.timeout_s:g} s") from None
                 continue
+            if kind in ("end", "error"):
+                try:
+                    queue.put(item)  # for the rank's other consumers (DataLoader workers): each must see it
+                except ray.exceptions.RayActorError:
+                    pass  # the run was closed: no consumer is left waiting on its queue
             if kind == "end":
                 self.summary = info
                 return

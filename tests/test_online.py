@@ -141,3 +141,44 @@ def test_self_distillation_online(tmp_path, sample_jsonl, tag):
     assert manifest_mod.read(out).header.mode == "regenerate"
     assert json.loads((out / "provenance.json").read_text())["invocations"][-1]["status"] == "complete"
     assert manifest_mod.read(out).completions[-1]["online"] == "deliver"
+
+
+def test_ranks_and_dataloader_workers_in_other_processes(tmp_path, sample_jsonl, tag):
+    """A capture for 2 ranks (--keep): rank 0 reads in the capture's process, rank 1 in a process of its own
+    that attaches by the run folder and decodes in 2 spawned DataLoader workers. Every row reaches exactly
+    one rank, bit for bit as the tee's shards hold it; both workers get rows and both stop at the end; the
+    capture's process waits for the attached rank's acks before it closes the queues."""
+    out = tmp_path / "online"
+    rank1 = subprocess.Popen([sys.executable, str(REPO / "tests" / "online_trainer.py"), "--out", str(out),
+                              "--dataset", str(sample_jsonl), "--limit", str(LIMIT), "--attach", "1", "--workers", "2"],
+                             cwd=REPO, env=env_for(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rank0 = trainer(out, sample_jsonl, tag, "--world-size", "2", "--keep")
+    stdout0, stderr0 = rank0.communicate(timeout=600)
+    stdout1, stderr1 = rank1.communicate(timeout=600)
+    assert rank0.returncode == 0, stderr0[-3000:]
+    assert rank1.returncode == 0, stderr1[-3000:]
+    rows0, end = lines_of(stdout0)
+    rows1 = [json.loads(x) for x in stdout1.splitlines() if x.startswith('{"id"')]
+    assert rows0 and rows1
+    assert sorted(r["id"] for r in rows0 + rows1) == all_ids()  # each row to one rank, once
+    assert {r["id"]: r["sha"] for r in rows0 + rows1} == {s["sample_id"]: online_trainer.digest(s)
+                                                          for s in ShardStream(out)}
+    assert len({r["pid"] for r in rows1}) == 2 and rank1.pid not in {r["pid"] for r in rows1}
+    assert json.loads(stdout1.splitlines()[-1]) == {"attached": 1, "rows": len(rows1)}
+    assert consumed_ids(out) == set(all_ids())
+    assert end["summary"]["committed_rows"] == LIMIT
+
+
+def test_attach_refuses_in_one_line(tmp_path):
+    """attach without a running capture, or for a rank the run does not serve: a one-line CaptureError."""
+    from capture.errors import CaptureError
+    from shards.online import ENDPOINT, attach
+
+    with pytest.raises(CaptureError, match=r"no online-endpoint.json in .*start the capture .* first \(waited 0 s\)"):
+        attach(tmp_path, 0, wait_s=0)
+    (tmp_path / ENDPOINT).write_text(json.dumps({"address": "127.0.0.1:1", "namespace": "capture-online",
+                                                 "queues": ["a", "b"], "world_size": 2, "auth_mode": None}))
+    with pytest.raises(CaptureError, match=r"rank 2 is not in \[0, world_size=2\)"):
+        attach(tmp_path, 2, wait_s=0)
+    with pytest.raises(CaptureError, match="has not written its header yet"):
+        attach(tmp_path, 1, wait_s=0)
