@@ -68,7 +68,8 @@ class Summary:
     committed_tokens: int = 0
     committed_loss_tokens: int = 0
     committed_bytes: int = 0
-    shards: int = 0
+    shards: int = 0  # shards committed (an online run without keep commits none)
+    delivered_units: int = 0  # online: units whose payload went to the trainer side (rows all acked: not queued)
     skipped: dict = dataclasses.field(default_factory=dict)  # reason → rows (data, template, filters)
     rejected: dict = dataclasses.field(default_factory=dict)  # reason → rows (write-time validation)
     normalized: dict = dataclasses.field(default_factory=dict)
@@ -473,8 +474,8 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
     def hand_over(info, payload) -> None:  # online: a unit's rows to the trainer
         deliver(info, payload, progress.tick)
         progress.status("capturing")
+        summary.delivered_units += 1
         if stream == "deliver":  # no shards: what was delivered is what this run committed
-            summary.shards += 1
             summary.committed_rows += info.rows
             summary.committed_tokens += info.tokens
             summary.committed_loss_tokens += info.loss_tokens

@@ -53,6 +53,7 @@ def test_online_rows_equal_an_offline_run_bit_for_bit(tmp_path, sample_jsonl, ta
     assert {r["id"]: r["sha"] for r in rows} == want  # bit for bit
     s = end["summary"]
     assert s["committed_rows"] == LIMIT and s["total_rows"] == LIMIT
+    assert s["shards"] == 0 and s["delivered_units"] == sum(r["units"] for r in s["replicas"])  # no shard, one payload a unit
     m = manifest_mod.read(out)
     assert m.complete and m.all_shards == []  # no shard on disk: only the log
     assert sorted(p.name for p in out.iterdir() if p.suffix == ".arrow") == []
