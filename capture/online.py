@@ -91,11 +91,16 @@ class Online:
 
         import ray
 
-        deadline = time.monotonic() + wait_s
+        start = time.monotonic()
+        said = False
         while wait_s > 0:
             missing = self.delivered - consumed_ids(self.cfg.out)
-            if not missing or time.monotonic() >= deadline:
+            if not missing or time.monotonic() - start >= wait_s:
                 break
+            if not said and time.monotonic() - start > 2:  # say what it waits for, once
+                log.warning("online: waiting up to %g s for %d delivered row(s) to be acked (ranks reading "
+                            "in other processes)", wait_s, len(missing))
+                said = True
             time.sleep(0.5)
         if wait_s > 0 and missing:
             log.warning("online: closing with %d delivered row(s) not acked; a restarted run delivers them again",

@@ -136,7 +136,7 @@ class OnlineStream(IterableDataset):
         self.wait_seconds = 0.0
         self.summary: dict | None = None  # the capture's summary, once the end arrived
         self._acks = 0
-        self._queue = None  # this process's handle on the rank's queue, made when iterated (never pickled)
+        self._queue = None  # (pid, this process's handle on the rank's queue): made when iterated, never pickled
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_queue": None}
@@ -150,7 +150,7 @@ class OnlineStream(IterableDataset):
         import ray
         from torch.utils.data import get_worker_info
 
-        if self._queue is None:
+        if self._queue is None or self._queue[0] != os.getpid():  # none yet, or a forked copy's
             if not ray.is_initialized():
                 if self.endpoint.get("auth_mode") == "token":
                     _token_auth()
@@ -159,8 +159,8 @@ class OnlineStream(IterableDataset):
             elif get_worker_info() is not None:
                 raise CaptureError("a DataLoader worker forked from a process connected to Ray cannot use that "
                                    "connection: pass multiprocessing_context='spawn' to the DataLoader")
-            self._queue = _queue(self.endpoint["queues"][self.rank], self.endpoint["namespace"])
-        return self._queue
+            self._queue = os.getpid(), _queue(self.endpoint["queues"][self.rank], self.endpoint["namespace"])
+        return self._queue[1]
 
     def live(self) -> bool:
         """Whether this rank's queue actor is alive (False for an endpoint an earlier run left)."""

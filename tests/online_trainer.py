@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--world-size", type=int, default=1)
     ap.add_argument("--attach", type=int, metavar="RANK", help="read this rank of a run another process started")
     ap.add_argument("--workers", type=int, default=0, help="with --attach: DataLoader workers (spawned)")
+    ap.add_argument("--try-fork", action="store_true", help="first try a forked DataLoader worker (refused)")
     args = ap.parse_args()
     if args.attach is not None:
         return read_attached(args)
@@ -54,6 +55,11 @@ def main() -> None:
                         "cpus_per_replica": 1, "unit_tokens": 600, "out": args.out, "progress": False, **regenerate})
     run = online.start(cfg, world_size=args.world_size, keep=args.keep)
     stream = run.stream(0, timeout_s=300)
+    if args.try_fork:  # a forked DataLoader worker of this Ray-connected process: refused before it takes a unit
+        try:
+            next(iter(DataLoader(stream, batch_size=None, num_workers=1, multiprocessing_context="fork")))
+        except RuntimeError as e:
+            print(json.dumps({"fork_refused": str(e).strip().splitlines()[-1]}), flush=True)
     pending = []
     for n, sample in enumerate(stream, 1):
         print(json.dumps({"id": sample["sample_id"], "sha": digest(sample),

@@ -148,18 +148,22 @@ def test_ranks_and_dataloader_workers_in_other_processes(tmp_path, sample_jsonl,
     """A capture for 2 ranks (--keep): rank 0 reads in the capture's process, rank 1 in a process of its own
     that attaches by the run folder and decodes in 2 spawned DataLoader workers. Every row reaches exactly
     one rank, bit for bit as the tee's shards hold it; both workers get rows and both stop at the end; the
-    capture's process waits for the attached rank's acks before it closes the queues."""
+    capture's process waits for the attached rank's acks before it closes the queues. A DataLoader worker
+    forked from the capture's (Ray-connected) process is refused in one line before it takes a unit."""
     out = tmp_path / "online"
     rank1 = subprocess.Popen([sys.executable, str(REPO / "tests" / "online_trainer.py"), "--out", str(out),
                               "--dataset", str(sample_jsonl), "--limit", str(LIMIT), "--attach", "1", "--workers", "2"],
                              cwd=REPO, env=env_for(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    rank0 = trainer(out, sample_jsonl, tag, "--world-size", "2", "--keep")
+    rank0 = trainer(out, sample_jsonl, tag, "--world-size", "2", "--keep", "--try-fork")
     stdout0, stderr0 = rank0.communicate(timeout=600)
     stdout1, stderr1 = rank1.communicate(timeout=600)
     assert rank0.returncode == 0, stderr0[-3000:]
     assert rank1.returncode == 0, stderr1[-3000:]
     rows0, end = lines_of(stdout0)
     rows1 = [json.loads(x) for x in stdout1.splitlines() if x.startswith('{"id"')]
+    refused = [json.loads(x)["fork_refused"] for x in stdout0.splitlines() if x.startswith('{"fork_refused"')]
+    assert refused == ["capture.errors.CaptureError: a DataLoader worker forked from a process connected to Ray "
+                       "cannot use that connection: pass multiprocessing_context='spawn' to the DataLoader"]
     assert rows0 and rows1
     assert sorted(r["id"] for r in rows0 + rows1) == all_ids()  # each row to one rank, once
     assert {r["id"]: r["sha"] for r in rows0 + rows1} == {s["sample_id"]: online_trainer.digest(s)
