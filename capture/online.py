@@ -170,6 +170,14 @@ def start(cfg: RunConfig, world_size: int = 1, queue_units: int = 2, keep: bool 
             except Full:
                 on_wait(f"waiting for the trainer: rank {rank}'s queue holds {queue_units} unit(s)")
 
+    def put_end(rank: int, queue, item) -> None:  # behind the rank's last units: says so while it waits
+        while True:
+            try:
+                return queue.put(item, block=True, timeout=10)
+            except Full:
+                log.warning("online: the capture is done; rank %d's queue is still full (%d unit(s)): "
+                            "is a trainer reading rank %d?", rank, queue_units, rank)
+
     def main() -> None:
         try:
             if keep:  # committed rows the trainer never acked come from the shards, before any new row
@@ -177,14 +185,14 @@ def start(cfg: RunConfig, world_size: int = 1, queue_units: int = 2, keep: bool 
                     deliver(info, ray.put(payload), lambda status: None)
             online.summary = run(cfg, deliver=deliver, keep=keep).as_dict()
             publish()
-            for q in queues:
-                q.put(("end", online.summary, None))
+            for rank, q in enumerate(queues):
+                put_end(rank, q, ("end", online.summary, None))
         except BaseException as e:  # noqa: BLE001 - handed to the trainer's streams and to join()
             online.error = e
             if manifest_mod.read(cfg.out).header is not None:  # ranks in other processes see the error too
                 publish()
-            for q in queues:
-                q.put(("error", str(e) or type(e).__name__, None))
+            for rank, q in enumerate(queues):
+                put_end(rank, q, ("error", str(e) or type(e).__name__, None))
 
     online.thread = threading.Thread(target=main, name="online-capture", daemon=True)
     online.thread.start()

@@ -35,7 +35,9 @@ and may come from any process (the trainer's main process, after its checkpoint)
 from __future__ import annotations
 
 import json
+import logging
 import os
+import socket
 import time
 from typing import Iterator, Sequence
 
@@ -47,6 +49,7 @@ from shards.format import RunHeader
 from shards.run import Location, as_location
 from shards.stream import row_sample
 
+log = logging.getLogger(__name__)
 PREFIX = "online-consumed-"
 ENDPOINT = "online-endpoint.json"  # where a run's queues are: {"address", "namespace", "queues", "world_size",
 #   "auth_mode"} (Ray's RAY_AUTH_MODE of the capture's process; the token itself is never written there)
@@ -75,7 +78,8 @@ def attach(run: str | os.PathLike | Location, rank: int = 0, wait_s: float = 600
     from shards import manifest as manifest_mod
 
     loc = as_location(run)
-    deadline = time.monotonic() + wait_s
+    start = time.monotonic()
+    said = False
     why = f"no {ENDPOINT} in {loc}: start the capture (capture.online.start) first"
     while True:
         if loc.exists(ENDPOINT):
@@ -87,9 +91,13 @@ def attach(run: str | os.PathLike | Location, rank: int = 0, wait_s: float = 600
             if stream is not None and stream.live():
                 return stream
             why = (f"the online run in {loc} has not written its header yet" if header is None else
-                   f"the queues named in {loc / ENDPOINT} are gone (an earlier run's endpoint?)")
-        if time.monotonic() > deadline:
+                   f"the Ray cluster or queues named in {loc}/{ENDPOINT} are gone (an earlier run's endpoint: "
+                   "the new run rewrites it with its first unit)")
+        if time.monotonic() - start > wait_s:
             raise CaptureError(f"online: {why} (waited {wait_s:g} s)")
+        if not said and time.monotonic() - start > 5:
+            log.warning("online: waiting up to %g s for rank %d's stream: %s", wait_s, rank, why)
+            said = True
         time.sleep(0.5)
 
 
@@ -98,9 +106,15 @@ def _token_auth() -> None:
     cluster it finds (Ray 2.60 ``worker.py``): a new local cluster enables token auth (the token in
     ``~/.ray/auth_token``, or ``RAY_AUTH_TOKEN``) in its own process only, and an explicit address never
     turns it on. No-op when ``RAY_AUTH_MODE`` is set or no token is found."""
-    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+    from ray._private.authentication import authentication_token_setup as setup
 
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    quiet = logging.getLogger(setup.__name__)  # its "token authentication is enabled" warning, once a process
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    finally:
+        quiet.setLevel(level)
 
 
 def _queue(name: str, namespace: str):
@@ -163,7 +177,16 @@ class OnlineStream(IterableDataset):
         return self._queue[1]
 
     def live(self) -> bool:
-        """Whether this rank's queue actor is alive (False for an endpoint an earlier run left)."""
+        """Whether this rank's queue actor is alive (False for an endpoint an earlier run left). Probes the
+        cluster's address first: ``ray.init`` to a cluster that is gone retries for minutes."""
+        import ray
+
+        if not ray.is_initialized():
+            host, _, port = self.endpoint["address"].rpartition(":")
+            try:
+                socket.create_connection((host, int(port)), timeout=5).close()
+            except OSError:
+                return False
         try:
             self.queue()
             return True

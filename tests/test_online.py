@@ -174,8 +174,10 @@ def test_ranks_and_dataloader_workers_in_other_processes(tmp_path, sample_jsonl,
     assert end["summary"]["committed_rows"] == LIMIT
 
 
-def test_attach_refuses_in_one_line(tmp_path):
-    """attach without a running capture, or for a rank the run does not serve: a one-line CaptureError."""
+def test_attach_refuses_in_one_line(tmp_path, reader_run):
+    """attach without a running capture, for a rank the run does not serve, or with the endpoint of a run
+    whose Ray cluster is gone (a port nobody listens on: answered at once, not after Ray's retries): a
+    one-line CaptureError."""
     from capture.errors import CaptureError
     from shards.online import ENDPOINT, attach
 
@@ -186,4 +188,9 @@ def test_attach_refuses_in_one_line(tmp_path):
     with pytest.raises(CaptureError, match=r"rank 2 is not in \[0, world_size=2\)"):
         attach(tmp_path, 2, wait_s=0)
     with pytest.raises(CaptureError, match="has not written its header yet"):
+        attach(tmp_path, 1, wait_s=0)
+    header = next(x for x in (reader_run / "manifest.jsonl").read_text().splitlines() if '"header"' in x)
+    (tmp_path / "manifest.jsonl").write_text(header + "\n")
+    assert manifest_mod.read(tmp_path).header is not None
+    with pytest.raises(CaptureError, match=r"the Ray cluster or queues named in .*online-endpoint.json are gone"):
         attach(tmp_path, 1, wait_s=0)
