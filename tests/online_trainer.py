@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from capture import online  # noqa: E402
 from capture.config import from_mapping  # noqa: E402
+from capture.errors import CaptureError  # noqa: E402
 from shards.online import attach  # noqa: E402
 
 
@@ -58,7 +59,7 @@ def main() -> None:
     if args.try_fork:  # a forked DataLoader worker of this Ray-connected process: refused before it takes a unit
         try:
             next(iter(DataLoader(stream, batch_size=None, num_workers=1, multiprocessing_context="fork")))
-        except RuntimeError as e:
+        except CaptureError as e:  # torch re-raises the worker's exception type with its traceback text
             print(json.dumps({"fork_refused": str(e).strip().splitlines()[-1]}), flush=True)
     pending = []
     for n, sample in enumerate(stream, 1):
