@@ -40,6 +40,6 @@ test: setup
 gpu-wheels:
 	for v in 3.10 3.11 3.12 3.13; do $(PYTHON) -m pip download -q --only-binary=:all: --no-deps -d .whl \
 	    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --python-version $$v \
-	    zstandard xxhash ijson jinja2 markupsafe; done
+	    zstandard xxhash ijson jinja2 markupsafe numba llvmlite; done
 
 .PHONY: setup demo test gpu-wheels

@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ -d .whl ]; then
-    "$PY" -m pip install -q --no-index --find-links .whl zstandard xxhash ijson jinja2 2>&1 | tail -3 || true
+    "$PY" -m pip install -q --no-index --find-links .whl zstandard xxhash ijson jinja2 numba llvmlite 2>&1 | tail -3 || true
 fi
 echo "\$ bash bench/gpu_check.sh   # $(date -u '+%Y-%m-%d %H:%M UTC')"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "(no nvidia-smi)"

@@ -19,8 +19,8 @@ int8-b32      no        per token and block of 32 channels a bf16 scale (amax / 
                         codes, one zstd-1 frame (:func:`_block_codec`)
 int6-b32      no        the same with codes in [-31, 31]: zstd codes them in ~5.7 bits         ~0.36
 fp4-b32       no        the same with FP4 E2M1 codes (MXFP4's element type), two a byte        ~0.25
-int4-b32      no        the same with integer codes in [-7, 7], one a byte: zstd's entropy     ~0.23
-                        stage codes them below 4 bits (they cluster near 0)
+int4-b32      no        the same with integer codes in [-7, 7], two a byte (``code + 7`` per    ~0.24
+                        nibble, low first) from format 1.5; one a byte (int8) before, still read
 ============  ========  =====================================================================  ======
 
 Cells end with a checksum of their bytes (:data:`CHECKS`; :func:`encode` ``check=``, recorded in the
@@ -50,6 +50,7 @@ import xxhash
 import zstandard
 
 from capture.errors import CaptureError
+from shards import kernels
 
 DEFAULT = "bf16-split"
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
@@ -91,10 +92,10 @@ def _encode_bf16(states: torch.Tensor, zc: zstandard.ZstdCompressor) -> bytes:
     return zc.compress(_bits(states))
 
 
-def _decode_bf16(cell, tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+def _decode_bf16(cell, tokens: int, hidden: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     n = tokens * hidden
     bits = np.frombuffer(decompressor().decompress(cell, max_output_size=2 * n), dtype=np.uint16).copy()
-    return _from_bits(bits, tokens, hidden, dtype)
+    return _store(_from_bits(bits, tokens, hidden, dtype), out)
 
 
 def _encode_split(states: torch.Tensor, zc: zstandard.ZstdCompressor) -> bytes:
@@ -102,18 +103,41 @@ def _encode_split(states: torch.Tensor, zc: zstandard.ZstdCompressor) -> bytes:
     return zc.compress(np.ascontiguousarray(pairs[..., 1])) + np.ascontiguousarray(pairs[..., 0]).tobytes()
 
 
-def _decode_split(cell, tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+def _decode_split(cell, tokens: int, hidden: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     n = tokens * hidden
     buf = memoryview(cell)
     high = np.frombuffer(decompressor().decompress(buf[: len(buf) - n], max_output_size=n), dtype=np.uint8)
     low = np.frombuffer(buf[len(buf) - n :], dtype=np.uint8)
     if high.size != n or low.size != n:
         raise ValueError(f"bf16-split cell holds {high.size}+{low.size} bytes, expected {n}+{n}")
-    # (high << 8) | low in 16-bit lanes: vectorized, ~5x a byte-strided interleave (bench/codecs.out)
-    bits = high.astype(np.uint16)
-    bits <<= 8
-    bits |= low
-    return _from_bits(bits, tokens, hidden, dtype)
+    out = _target(out, tokens, hidden, dtype)
+    kernels.interleave(high, low, *_flat(out), hidden)  # one pass, straight into the sample
+    return out
+
+
+def _target(out: torch.Tensor | None, tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` (checked) or a new ``[tokens, hidden]`` tensor of ``dtype``."""
+    if out is None:
+        return torch.empty(tokens, hidden, dtype=dtype)
+    if tuple(out.shape) != (tokens, hidden) or out.dtype != dtype or (tokens > 1 and hidden > 0 and out.stride(1) != 1):
+        raise ValueError(f"out must be a [{tokens}, {hidden}] {dtype} tensor with unit stride along H, "
+                         f"not {list(out.shape)} {out.dtype} strides {out.stride()}")
+    return out
+
+
+def _store(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``result``, copied into ``out`` when one is given (the codecs without a compiled pass)."""
+    if out is None:
+        return result
+    return _target(out, *result.shape, result.dtype).copy_(result)
+
+
+def _flat(out: torch.Tensor) -> tuple[np.ndarray, int, int]:
+    """A 16-bit ``[T, H]`` tensor (rows may be strided, e.g. a tap's slice of ``[T, L, H]``) as
+    (its whole storage as flat uint16, offset of row 0, row stride): the output convention of
+    :mod:`shards.kernels`."""
+    storage = out.as_strided((out.untyped_storage().nbytes() // 2,), (1,), 0)
+    return storage.view(torch.int16).numpy().view(np.uint16), out.storage_offset(), out.stride(0)
 
 
 def _encode_fp8(states: torch.Tensor, zc: zstandard.ZstdCompressor) -> bytes:
@@ -123,7 +147,7 @@ def _encode_fp8(states: torch.Tensor, zc: zstandard.ZstdCompressor) -> bytes:
     return scale.numpy().astype("<f4").tobytes() + zc.compress(q.view(torch.uint8).numpy())
 
 
-def _decode_fp8(cell, tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+def _decode_fp8(cell, tokens: int, hidden: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     n = tokens * hidden
     buf = memoryview(cell)
     scale = torch.from_numpy(np.frombuffer(buf[: 4 * tokens], dtype="<f4").copy())
@@ -131,7 +155,7 @@ def _decode_fp8(cell, tokens: int, hidden: int, dtype: torch.dtype) -> torch.Ten
     if q.size != n:
         raise ValueError(f"fp8-e4m3 cell holds {q.size} values, expected {n}")
     x = torch.from_numpy(q.copy()).view(torch.float8_e4m3fn).float().view(tokens, hidden) * scale[:, None]
-    return x.to(dtype)
+    return _store(x.to(dtype), out)
 
 
 # ------------------------------------------------------------------ lossy: bf16 with fewer mantissa bits
@@ -160,14 +184,14 @@ def _mantissa_codec(keep: int):
         pairs = _round_mantissa(_bits(states), keep).view(np.uint8).reshape(*states.shape, 2)
         return zc.compress(np.ascontiguousarray(pairs[..., 1]).tobytes() + np.ascontiguousarray(pairs[..., 0]).tobytes())
 
-    def decode(cell, tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    def decode(cell, tokens: int, hidden: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         n = tokens * hidden
         planes = np.frombuffer(_decompress(cell, 2 * n), dtype=np.uint8)
         if planes.size != 2 * n:
             raise ValueError(f"bf16-m{keep} cell holds {planes.size} bytes, expected {2 * n}")
         pairs = np.empty((n, 2), dtype=np.uint8)
         pairs[:, 1], pairs[:, 0] = planes[:n], planes[n:]
-        return _from_bits(pairs.view(np.uint16).reshape(tokens, hidden), tokens, hidden, torch.bfloat16).to(dtype)
+        return _store(_from_bits(pairs.view(np.uint16).reshape(tokens, hidden), tokens, hidden, torch.bfloat16).to(dtype), out)
 
     return encode, decode
 
@@ -182,12 +206,19 @@ E2M1 = np.array([-6, -4, -3, -2, -1.5, -1, -0.5, 0, 0.5, 1, 1.5, 2, 3, 4, 6], dt
 def _block_codec(name: str, qmax: int = 0, levels: np.ndarray | None = None):
     """Block-scaled codes, one scale per token and block of 32 channels (the MX formats' layout, with a
     bf16 scale, not a power of two): ``s`` = max |h| of the block / ``qmax``, then per value a code,
-    either the integer ``round(h / s)`` in ``[-qmax, qmax]`` (one byte each: zstd's entropy stage then
-    codes it in about its entropy, so int6/int4 cost ~6/~4 bits, less where values cluster near 0) or,
-    with ``levels`` (E2M1, qmax 6), the index of the nearest level, two a byte, low nibble first.
+    either the integer ``round(h / s)`` in ``[-qmax, qmax]`` or, with ``levels`` (E2M1, qmax 6), the index
+    of the nearest level. Codes that fit a nibble (E2M1's 15 levels, and integers with ``qmax <= 7``,
+    stored as ``code + qmax``) go two a byte, low nibble first; wider ones (int6, int8) one a byte
+    (int8), where zstd's entropy stage codes them in about their entropy (~6 bits for int6).
     Cell: one zstd frame (content checksum) of the scales ``[T, nb]`` bf16 and the codes ``[T, nb, 32]``
     (H zero-padded to whole blocks). Decode: ``code * s`` in bf16 — codes and E2M1 levels are exact in
     bf16 and the product of two bf16 values is rounded once, as a float32 product cast to bf16 would be.
+
+    Why int4 codes go two a byte (format 1.5; one a byte before, ~7% smaller on disk): a reader core's
+    zstd stage then has half the bytes to decode (~1.8 → ~3.4 GB/s of bf16 here), and the packed
+    integer codes dequantize in one compiled pass into the sample (:func:`shards.kernels.dequantize_nibbles`):
+    the only way this CPU reads a training codec at >= 1.5 GB/s a core (docs/performance.md). Cells of
+    either layout decode (told apart by their decompressed size); the values are the same bits.
 
     Outliers: a block scale spans 32 channels of one token, so an outlier channel (|h| ~ 25,000 on real
     states) coarsens only its own block, never the token or the tensor (a per-tensor scale would zero
@@ -200,40 +231,59 @@ def _block_codec(name: str, qmax: int = 0, levels: np.ndarray | None = None):
     if four:
         qmax = int(levels.max())
         mids = torch.from_numpy((levels[1:] + levels[:-1]) / 2)
-        # a byte's two codes (low nibble first) → their two levels as bf16 bit patterns: one take per byte
-        book = np.resize(levels, 16)
+    nibbles = four or qmax <= 7
+    if nibbles:  # a byte's two codes (low nibble first) → their two levels as bf16 bit patterns: one take per byte
+        book = np.resize(levels if four else np.arange(-qmax, qmax + 1, dtype=np.float32), 16)
         pairs = np.stack([book[np.arange(256) & 0xF], book[np.arange(256) >> 4]], axis=1)
         pair_bits = torch.from_numpy(pairs).to(torch.bfloat16).view(torch.int16).numpy().view(np.int32).ravel()
 
-    def encode(states: torch.Tensor, zc: zstandard.ZstdCompressor) -> bytes:
+    def encode(states: torch.Tensor, zc: zstandard.ZstdCompressor, packed: bool = True) -> bytes:
         yb = _blocks(states.float())  # [T, nb, BLOCK]
         s = (yb.abs().amax(dim=2) / qmax).to(torch.bfloat16)  # [T, nb]
         r = (yb / s.float().clamp_min(torch.finfo(torch.float32).tiny)[..., None]).clamp(-qmax, qmax)
         if four:
-            q = torch.bucketize(r, mids).to(torch.uint8).view(-1, 2)
+            q = torch.bucketize(r, mids).to(torch.uint8)
+        elif nibbles and packed:
+            q = (torch.round(r).to(torch.int8) + qmax).to(torch.uint8)
+        if nibbles and (four or packed):
+            q = q.view(-1, 2)
             codes = (q[:, 0] | (q[:, 1] << 4)).numpy()
-        else:
+        else:  # one a byte: int6, int8, and int4 in runs of format 1.4 and before
             codes = torch.round(r).to(torch.int8).numpy()
         return zc.compress(s.view(torch.int16).numpy().tobytes() + codes.tobytes())
 
-    def decode(cell, tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    def decode(cell, tokens: int, hidden: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         nb = -(-hidden // BLOCK)
         n = tokens * nb * BLOCK  # codes of the zero-padded blocks
-        size = 2 * tokens * nb + (n // 2 if four else n)
-        body = np.frombuffer(_decompress(cell, size), dtype=np.uint8)
-        if body.size != size:
-            raise ValueError(f"{name} cell holds {body.size} bytes, expected {size}")
-        s = torch.from_numpy(body[: 2 * tokens * nb].view(np.int16).copy()).view(torch.bfloat16)
+        sizes = ([2 * tokens * nb + n // 2] if nibbles else []) + ([] if four else [2 * tokens * nb + n])
+        body = np.frombuffer(_decompress(cell, max(sizes)), dtype=np.uint8)
+        if body.size not in sizes:
+            raise ValueError(f"{name} cell holds {body.size} bytes, expected {' or '.join(map(str, sizes))}")
+        s_bits = body[: 2 * tokens * nb].view(np.uint16)
         codes = body[2 * tokens * nb:]
-        if four:
+        packed = nibbles and codes.size == n // 2
+        if packed and not four and dtype == torch.bfloat16 and _finite_bf16(s_bits):
+            out = _target(out, tokens, hidden, dtype)  # the one compiled pass (integer nibbles)
+            flat, offset, stride = _flat(out)
+            if hidden % BLOCK == 0 and offset % 2 == 0 and stride % 2 == 0 and flat.size % 2 == 0:
+                kernels.dequantize_nibble_pairs(s_bits, codes, flat.view(np.uint32), offset // 2, stride // 2, hidden, qmax)
+            else:
+                kernels.dequantize_nibbles(s_bits, codes, flat, offset, stride, hidden, qmax)
+            return out
+        s = torch.from_numpy(s_bits.view(np.int16).copy()).view(torch.bfloat16)
+        if packed:
             v = torch.from_numpy(np.take(pair_bits, codes).view(np.int16)).view(torch.bfloat16)  # [n]
         else:
             v = torch.from_numpy(codes.view(np.int8).copy()).to(torch.bfloat16)
-        out = v.view(tokens, nb, BLOCK) * s.view(tokens, nb, 1)
-        out = out.view(tokens, nb * BLOCK)
-        return (out if nb * BLOCK == hidden else out[:, :hidden].contiguous()).to(dtype)
+        res = (v.view(tokens, nb, BLOCK) * s.view(tokens, nb, 1)).view(tokens, nb * BLOCK)[:, :hidden]
+        return _store(res.to(dtype).contiguous(), out)
 
     return encode, decode
+
+
+def _finite_bf16(bits: np.ndarray) -> bool:
+    """Whether every bf16 bit pattern in ``bits`` is finite (exponent not all ones)."""
+    return not bits.size or int(np.bitwise_and(bits, 0x7F80).max()) != 0x7F80
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
@@ -273,7 +323,8 @@ def _bound_block(half_step: float):
 @dataclasses.dataclass(frozen=True)
 class Codec:
     """One state codec. ``encode(states [T, H] bf16/fp16, compressor) -> bytes``;
-    ``decode(cell, tokens, hidden, dtype) -> [T, H]`` tensor of ``dtype`` (ValueError on a size mismatch);
+    ``decode(cell, tokens, hidden, dtype, out=None) -> [T, H]`` tensor of ``dtype``, written into ``out``
+    when given (ValueError on a size mismatch);
     ``ratio``: stored bytes / raw bf16 bytes measured on real SmolLM2 states (bench/codecs.out), used for
     disk estimates (``capture run --dry-run``). ``bound(x)``: the largest |decoded - x| the codec allows
     for each value of ``x`` (float32 ``[T, H]``); None for a lossless codec (bit-exact)."""
@@ -323,19 +374,32 @@ def check(codec: str, dtype: str | None = None) -> str:
     return codec
 
 
-def encode(codec: str, states: torch.Tensor, level: int = ZSTD_LEVEL, check: str | None = None) -> bytes:
+PACKED_INT4_FROM = (1, 5)  # format version from which int4-b32 cells hold two codes a byte
+
+
+def encode(codec: str, states: torch.Tensor, level: int = ZSTD_LEVEL, check: str | None = None,
+           format_version: str | None = None) -> bytes:
     """Encode ``states`` (bf16 or fp16, ``[T, H]``) into one cell. Releases the GIL inside zstd. ``check``:
     append that checksum of the cell (:data:`CHECKS`, little-endian; ``xxh3_64`` in format 1.4, ``crc32``
     in 1.3, None before), so that a damaged byte anywhere in it, also in the parts no zstd frame covers
-    (bf16-split's low bytes, fp8's scales), fails to decode. Raises ValueError for an unknown codec or
-    check."""
+    (bf16-split's low bytes, fp8's scales), fails to decode. ``format_version``: the run's (None: this
+    capture's), so a run keeps the layout of the version that started it (``int4-b32``: two codes a byte
+    from 1.5, one before). Raises ValueError for an unknown codec or check."""
     if codec not in REGISTRY:
         raise ValueError(f"unknown codec {codec!r}")
-    cell = REGISTRY[codec].encode(states, compressor(level))
+    if codec == "int4-b32" and format_version is not None and _version(format_version) < PACKED_INT4_FROM:
+        cell = REGISTRY[codec].encode(states, compressor(level), packed=False)
+    else:
+        cell = REGISTRY[codec].encode(states, compressor(level))
     if check is None:
         return cell
     size, digest = _check(check)
     return cell + digest(cell).to_bytes(size, "little")
+
+
+def _version(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
 
 
 def _check(name: str) -> tuple[int, Callable]:
@@ -345,12 +409,16 @@ def _check(name: str) -> tuple[int, Callable]:
 
 
 def decode(codec: str, cell, tokens: int, hidden: int, dtype: torch.dtype = torch.bfloat16,
-           check: str | None = None) -> torch.Tensor:
+           check: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode one cell into a ``[tokens, hidden]`` tensor of ``dtype`` (lossy codecs decode to it too).
 
     ``cell`` is any buffer (bytes, memoryview, ``pyarrow.Buffer``); ``check``: the checksum the cell ends
-    with (:func:`encode`). Raises CellError when that checksum fails, ``zstandard.ZstdError`` for a damaged
-    frame, ValueError on a size mismatch or an unknown codec or check.
+    with (:func:`encode`). ``out``: write into this ``[tokens, hidden]`` tensor of ``dtype`` (rows may be
+    strided, e.g. ``sample[:, l]`` of a ``[T, L, H]`` sample; unit stride along H) and return it:
+    ``bf16-split`` and packed ``int4-b32`` decode straight into it in one compiled pass
+    (:mod:`shards.kernels`), the others copy. Raises CellError when that checksum fails,
+    ``zstandard.ZstdError`` for a damaged frame, ValueError on a size mismatch, an unknown codec or check,
+    or an ``out`` of another shape or dtype.
     """
     if codec not in REGISTRY:
         raise ValueError(f"unknown codec {codec!r}")
@@ -360,4 +428,4 @@ def decode(codec: str, cell, tokens: int, hidden: int, dtype: torch.dtype = torc
         if len(view) < size or digest(view[:-size]) != int.from_bytes(view[-size:], "little"):
             raise CellError(f"{codec} cell of {len(view)} bytes fails its {check}")
         cell = view[:-size]
-    return REGISTRY[codec].decode(cell, tokens, hidden, dtype)
+    return REGISTRY[codec].decode(cell, tokens, hidden, dtype, out)

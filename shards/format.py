@@ -47,6 +47,11 @@ and ``k``. 1.1 shards read as before (``topk`` 0).
 **Cell checksums (format 1.3, 1.4).** Every state cell ends with a checksum of its bytes, named by the
 state fields' metadata ``check``: ``crc32`` (4 bytes) in 1.3, ``xxh3_64`` (8 bytes, ~40x faster to
 check) from 1.4 (:data:`shards.codecs.CHECKS`). A run keeps the layout of the version that started it.
+
+**Packed int4 (format 1.5).** ``int4-b32`` cells hold two codes a byte (``code + 7`` per nibble, low
+first) instead of one (int8): the same decoded bits, ~7% more bytes, twice as fast through a reader's zstd
+stage (:func:`shards.codecs._block_codec`). Earlier cells still decode (told apart by their size); a
+reader older than 1.5 fails on a 1.5 ``int4-b32`` cell with a size error.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ from capture.errors import CaptureError
 from shards import codecs
 from shards import topk as topk_mod
 
-FORMAT_VERSION = "1.4"
+FORMAT_VERSION = "1.5"
 METADATA_KEY = b"capture"
 STATE_TYPE = pa.large_binary()
 TAP_PREFIX = "tap_"

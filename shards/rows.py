@@ -78,8 +78,9 @@ def record_batch(schema: pa.Schema, rows: Sequence[Row], encode: Callable | None
     """Rows → one Arrow record batch with ``schema``'s columns (:func:`shards.format.schema`). ``encode``
     maps a list of ``[T, H]`` tensors to their cells (default: the run codec, one thread). Raises
     ValueError for a row whose top-K arrays are missing or not ``[T, K]`` when the schema has them."""
-    codec, check = json.loads(schema.metadata[METADATA_KEY])["codec"], cell_check(schema)
-    encode = encode or (lambda tensors: [codecs.encode(codec, t, check=check) for t in tensors])
+    head = json.loads(schema.metadata[METADATA_KEY])
+    codec, check, version = head["codec"], cell_check(schema), head.get("format_version")
+    encode = encode or (lambda tensors: [codecs.encode(codec, t, check=check, format_version=version) for t in tensors])
     cols: dict[str, pa.Array] = {
         "sample_id": pa.array([r.sample_id for r in rows], pa.string()),
         "source": pa.array([r.source for r in rows], pa.string()),
@@ -123,10 +124,11 @@ def state_columns(table: pa.Table | pa.RecordBatch) -> list[str]:
     return [f.name for f in table.schema if f.type == STATE_TYPE]
 
 
-def state_tensor(table: pa.Table | pa.RecordBatch, column: str, row: int) -> torch.Tensor:
+def state_tensor(table: pa.Table | pa.RecordBatch, column: str, row: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """States of ``column`` for ``row``: a ``[T, H]`` tensor of the recorded dtype (bf16 or fp16), decoded
     by the recorded codec (:mod:`shards.codecs`) straight from the Arrow buffer (no widening to float32,
-    no per-element Python). ``table`` must include ``num_tokens``. Raises FormatError without it,
+    no per-element Python); written into ``out`` when given (e.g. ``sample[:, l]`` of a ``[T, L, H]``
+    sample, :func:`shards.codecs.decode`). ``table`` must include ``num_tokens``. Raises FormatError without it,
     ValueError for a cell that does not decode to ``[T, H]``, and FormatError for a damaged cell (its
     checksum, format 1.3 on, or a zstd frame's checksum, 1.2 on, fails)."""
     meta = table.schema.field(column).metadata
@@ -137,7 +139,7 @@ def state_tensor(table: pa.Table | pa.RecordBatch, column: str, row: int) -> tor
     cell = table.column(column)[row].as_buffer()
     try:
         return codecs.decode(meta[b"codec"].decode(), cell, tokens, hidden, DTYPES[meta[b"dtype"].decode()],
-                             check=meta[b"check"].decode() if b"check" in meta else None)
+                             check=meta[b"check"].decode() if b"check" in meta else None, out=out)
     except (codecs.CellError, zstandard.ZstdError) as e:  # the cell's checksum (1.3 on), a frame's checksum (1.2)
         raise FormatError(f"{column} of row {row} does not decode ({e}): the shard is damaged; "
                           "`capture shards verify` names the file") from None
@@ -162,6 +164,17 @@ def topk_arrays(table: pa.Table | pa.RecordBatch, row: int, k: int | None = None
     return ids, values
 
 
+def with_num_tokens(table: pa.Table | pa.RecordBatch) -> pa.Table | pa.RecordBatch:
+    """``table`` with its ``num_tokens`` column (recomputed from ``input_ids`` where it is missing, e.g. a
+    Ray Data batch): what :func:`state_tensor` needs."""
+    if "num_tokens" in table.column_names:
+        return table
+    import pyarrow.compute as pc
+
+    table = pa.table(table) if isinstance(table, pa.RecordBatch) else table
+    return table.append_column("num_tokens", pc.list_value_length(table.column("input_ids")).cast(pa.int32()))
+
+
 def read_row(table: pa.Table | pa.RecordBatch, i: int, states: Sequence[str] | None = None, topk: bool = True) -> Row:
     """Row ``i`` of a shard table as the :class:`Row` :func:`record_batch` was given: ids int32, mask
     bool and argmax int32 (None when not stored) as numpy arrays, ``states`` decoded by
@@ -169,11 +182,8 @@ def read_row(table: pa.Table | pa.RecordBatch, i: int, states: Sequence[str] | N
     tuple or None (also for shards from before the column existed), the top-K arrays by
     :func:`topk_arrays` (None when not stored, or not asked for: ``topk=False``). ``num_tokens`` is recomputed from the ids, so a table
     without that column decodes too (e.g. a Ray Data batch)."""
-    if "num_tokens" not in table.column_names and (states is None or states):
-        import pyarrow.compute as pc
-
-        table = pa.table(table) if isinstance(table, pa.RecordBatch) else table
-        table = table.append_column("num_tokens", pc.list_value_length(table.column("input_ids")).cast(pa.int32()))
+    if states is None or states:
+        table = with_num_tokens(table)
 
     def values(name: str, dtype) -> np.ndarray:
         return table.column(name)[i].values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)

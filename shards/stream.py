@@ -91,7 +91,7 @@ from capture.errors import CaptureError
 from shards import manifest as manifest_mod
 from shards import retain
 from shards.format import FINAL, RunHeader, tap_column
-from shards.rows import read_row, topk_arrays
+from shards.rows import DTYPES, read_row, state_tensor, topk_arrays, with_num_tokens
 from shards.topk import IDS as TOPK_IDS, LOGPROBS as TOPK_LOGPROBS
 from shards.run import Location, as_location
 
@@ -120,18 +120,24 @@ def in_split(sample_id: str, split: str, heldout_fraction: float) -> bool:
 def row_sample(table: pa.Table | pa.RecordBatch, row: int, taps_layers: Sequence[int], argmax: bool,
                final: bool, topk: int = 0) -> dict:
     """Row ``row`` of a shard table as a sample dict (the module docstring's contract), decoded by
-    :func:`shards.rows.read_row`: taps ``taps_layers`` stacked in that order ``[T, L, H]``, ``argmax``
+    :func:`shards.rows.read_row` and :func:`shards.rows.state_tensor`: taps ``taps_layers`` in that order,
+    each decoded straight into its slice of the ``[T, L, H]`` sample, ``argmax``
     and ``final`` included when asked, the top-K arrays when ``topk`` (the run's K) is not 0."""
-    columns = [tap_column(k) for k in taps_layers] + ([FINAL] if final else [])
-    r = read_row(table, row, states=columns, topk=False)
+    table = with_num_tokens(table)
+    r = read_row(table, row, states=[], topk=False)
     out = {"sample_id": r.sample_id, "source": r.source,
            "input_ids": torch.from_numpy(r.input_ids.astype("int64")),
            "loss_mask": torch.from_numpy(r.loss_mask)}
     if argmax:
         out["argmax"] = torch.from_numpy(r.argmax.astype("int64"))
-    out["taps"] = torch.stack([r.states[c] for c in columns[:len(taps_layers)]], dim=1)
+    columns = [tap_column(k) for k in taps_layers]
+    meta = table.schema.field(columns[0]).metadata
+    hidden = int(meta[b"shape"].decode().strip("[]").split(",")[1])
+    out["taps"] = torch.empty(r.num_tokens, len(columns), hidden, dtype=DTYPES[meta[b"dtype"].decode()])
+    for i, c in enumerate(columns):  # each tap decodes straight into its slice of the sample: no stacking copy
+        state_tensor(table, c, row, out=out["taps"][:, i])
     if final:
-        out["final"] = r.states[FINAL]
+        out["final"] = state_tensor(table, FINAL, row)
     if topk:  # K from the header: a batch that lost the field metadata (Ray Data) decodes too
         top_ids, top_values = topk_arrays(table, row, topk)
         out[TOPK_IDS] = torch.from_numpy(top_ids.astype("int64"))

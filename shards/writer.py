@@ -42,14 +42,16 @@ class CellEncoder:
     (zstd and numpy release the GIL)."""
 
     def __init__(self, schema: pa.Schema, threads: int = 1):
-        self.codec = json.loads(schema.metadata[METADATA_KEY])["codec"]
+        head = json.loads(schema.metadata[METADATA_KEY])
+        self.codec, self.version = head["codec"], head.get("format_version")  # a run keeps its version's layout
         self.check = cell_check(schema)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="encode") if threads > 1 else None
 
     def __call__(self, tensors: Sequence[torch.Tensor]) -> list[bytes]:
-        if self.pool is None:
-            return [codecs.encode(self.codec, t, check=self.check) for t in tensors]
-        return list(self.pool.map(lambda t: codecs.encode(self.codec, t, check=self.check), tensors))
+        def encode(t: torch.Tensor) -> bytes:
+            return codecs.encode(self.codec, t, check=self.check, format_version=self.version)
+
+        return [encode(t) for t in tensors] if self.pool is None else list(self.pool.map(encode, tensors))
 
 
 @dataclasses.dataclass(frozen=True)

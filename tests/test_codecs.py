@@ -120,6 +120,55 @@ def test_a_damaged_cell_of_every_codec_is_an_error(codec, real_states):
         codecs.encode(codec, x, check="md5")
 
 
+@pytest.mark.parametrize("codec", codecs.CODECS)
+def test_decode_into_a_tap_slice_of_a_sample(codec, real_states):
+    """``out=sample[:, l]`` gets the same bits ``decode`` returns, the other taps' slices are untouched, and an
+    ``out`` of another shape or dtype is refused (the stream decodes every tap straight into its slice)."""
+    x = real_states[0]
+    t, h = x.shape
+    cell = codecs.encode(codec, x, check="xxh3_64")
+    want = codecs.decode(codec, cell, t, h, check="xxh3_64")
+    sample = torch.full((t, 3, h), 1.5, dtype=torch.bfloat16)
+    got = codecs.decode(codec, cell, t, h, check="xxh3_64", out=sample[:, 1])
+    assert got.data_ptr() == sample[:, 1].data_ptr()
+    assert torch.equal(sample[:, 1].view(torch.int16), want.view(torch.int16))
+    assert bool((sample[:, 0] == 1.5).all()) and bool((sample[:, 2] == 1.5).all())
+    with pytest.raises(ValueError, match="out must be a"):
+        codecs.decode(codec, cell, t, h, out=torch.empty(t, h + 1, dtype=torch.bfloat16)[:, :h + 1])
+    with pytest.raises(ValueError, match="out must be a"):
+        codecs.decode(codec, cell, t, h, out=torch.empty(t, h, dtype=torch.float16))
+
+
+def test_int4_packs_two_codes_a_byte_from_format_1_5_with_the_same_bits(real_states):
+    """Format 1.5 stores int4-b32 codes two a byte, 1.4 one a byte; both cells decode to the same bits: the
+    compiled nibble pass (shards.kernels) against torch's bf16 ``codes * scales`` of the 1.4 cell, on real
+    states; also where the pass cannot run (a block with a non-finite scale, H not a multiple of 32, rows
+    at odd positions, float16 output)."""
+    def content(cell):
+        return zstandard.frame_content_size(cell)
+
+    inf_row = real_states[1].clone()
+    inf_row[3, 40] = float("inf")  # its block's scale is inf: that cell decodes through torch
+    cases = [(x, None) for x in real_states] + [(inf_row, None), (real_states[0][:, :100], None),
+                                                (real_states[2], "odd")]
+    for x, where in cases:
+        t, h = x.shape
+        nb = -(-h // 32)
+        new, old = codecs.encode("int4-b32", x), codecs.encode("int4-b32", x, format_version="1.4")
+        assert (content(new), content(old)) == (2 * t * nb + 16 * t * nb, 2 * t * nb + 32 * t * nb)
+        assert codecs.encode("int4-b32", x, format_version="1.5") == new
+        ref = codecs.decode("int4-b32", old, t, h)
+        if where == "odd":  # a [T, H] view whose rows start at odd positions: the 16-bit pass
+            got = codecs.decode("int4-b32", new, t, h, out=torch.empty(t, 3, h + 1, dtype=torch.bfloat16)[:, 1, :h])
+        else:
+            got = codecs.decode("int4-b32", new, t, h)
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+        half = codecs.decode("int4-b32", new, t, h, torch.float16)
+        assert torch.equal(half.view(torch.int16), ref.to(torch.float16).view(torch.int16))
+    # the non-finite block stays non-finite (the inf scale makes its codes NaN), never a number
+    assert not bool(torch.isfinite(codecs.decode("int4-b32", codecs.encode("int4-b32", inf_row), *inf_row.shape)[3, 40]))
+
+
 def test_codec_refuses_a_dtype_it_cannot_store():
     from capture.errors import CaptureError
 

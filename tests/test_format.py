@@ -86,3 +86,27 @@ def test_format_without_header_refused(tmp_path):
     hand_written_shard(path2, {b"pandas": b"{}"})
     with pytest.raises(FormatError, match="no 'capture' header"):
         read_table(path2)
+
+
+def test_int4_runs_keep_their_version_s_layout():
+    """A run started by format 1.4 keeps writing int4-b32 codes one a byte (the writer's encoder and
+    record_batch); a 1.5 run packs them two a byte; rows read back the same from both."""
+    import torch
+    import zstandard
+    from helpers import make_rows
+
+    from shards.rows import read_row, record_batch
+    from shards.writer import CellEncoder
+
+    rows = make_rows(3, 2)
+    x = rows[0].states["tap_1"]
+    t, h = x.shape
+    nb = -(-h // 32)
+    sizes = {"1.4": 2 * t * nb + 32 * t * nb, shard_format.FORMAT_VERSION: 2 * t * nb + 16 * t * nb}
+    got = []
+    for version, size in sizes.items():
+        sch = shard_format.schema(make_header(codec="int4-b32", format_version=version))
+        for cell in (CellEncoder(sch)([x])[0], pa.Table.from_batches([record_batch(sch, rows)]).column("tap_1")[0].as_py()):
+            assert zstandard.frame_content_size(cell[:-8]) == size, version
+        got.append(read_row(pa.Table.from_batches([record_batch(sch, rows)]), 0).states["tap_1"])
+    assert torch.equal(got[0].view(torch.int16), got[1].view(torch.int16))

@@ -47,7 +47,7 @@ from helpers import make_header, make_rows
 from capture.engines.base import Captured
 from shards import manifest as manifest_mod
 from shards import topk as topk_mod
-from shards.format import RUN_IDENTITY, RunHeader, read_header, schema
+from shards.format import FORMAT_VERSION, RUN_IDENTITY, RunHeader, read_header, schema
 from shards.reader import read_table, shard_paths
 from shards.rows import read_row, record_batch, topk_arrays
 
@@ -147,7 +147,7 @@ def test_capture_topk_matches_reference(topk_run, reference):
     header, schema, verify and stat."""
     table = pa.concat_tables([read_table(p) for p in shard_paths(topk_run)])
     head = read_header(table.schema)
-    assert head.topk == K and head.format_version == "1.4" and "topk" in RUN_IDENTITY
+    assert head.topk == K and head.format_version == FORMAT_VERSION and "topk" in RUN_IDENTITY
     field = table.schema.field("topk_ids")
     assert field.type == pa.binary() and field.metadata[b"shape"] == b"[T, 32]" and field.metadata[b"k"] == b"32"
     assert table.schema.field("topk_logprobs").metadata[b"dtype"] == b"float32"
