@@ -31,6 +31,7 @@ def main() -> None:
     from capture.engines.hf import HFEngine
     from capture.targets import PRESETS, make_taps, model_dir
     from shards import codecs
+    from shards.format import FORMAT_VERSION
 
     mdir = model_dir(PRESETS["smollm2-135m"])
     enc = load_encoder(str(mdir))
@@ -50,7 +51,7 @@ def main() -> None:
     print(f"{tokens:,} tokens of real SmolLM2 states (taps 3/15/27, hidden 576, bf16), {raw / 1e6:.1f} MB raw; "
           "one thread")
     print()
-    print(f"cells as a capture writes them (format 1.4: with their XXH3-64, checked when decoding); "
+    print(f"cells as a capture writes them (format {FORMAT_VERSION}: with their XXH3-64, checked when decoding); "
           f"median of {args.passes} passes\n")
     print("| codec | lossless | bytes vs raw bf16 | encode MB/s | decode MB/s | per-token cosine (mean / min) |")
     print("|---|---|---|---|---|---|")

@@ -121,11 +121,13 @@ class Decoder:
             out["loss_mask"].append(torch.tensor(batch["loss_mask"][i], dtype=torch.bool))
             if self.header.argmax:
                 out["argmax"].append(torch.tensor(batch["argmax"][i], dtype=torch.int64))
-            states = [codecs.decode(codec, batch[c][i], tokens, hidden, dtype, check=self.header.cell_check)
-                      for c in self.states]
-            out["taps"].append(torch.stack(states[:n_taps], dim=1))
+            taps = torch.empty(tokens, n_taps, hidden, dtype=dtype)  # each tap decodes into its slice
+            for j, c in enumerate(self.states[:n_taps]):
+                codecs.decode(codec, batch[c][i], tokens, hidden, dtype, check=self.header.cell_check, out=taps[:, j])
+            out["taps"].append(taps)
             if self.final:
-                out["final"].append(states[n_taps])
+                out["final"].append(codecs.decode(codec, batch[self.states[n_taps]][i], tokens, hidden, dtype,
+                                                  check=self.header.cell_check))
             if self.topk:
                 top_ids = topk_mod.decode_ids(batch[topk_mod.IDS][i], self.topk, tokens)
                 out[topk_mod.IDS].append(torch.from_numpy(top_ids.astype("int64")))

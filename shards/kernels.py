@@ -41,8 +41,17 @@ def _bits_f32(typingctx, x):
 def _bf16(u):
     """float32 bits → bf16 bits, rounded to nearest, ties to even: torch's float→bf16 rounding
     (c10::BFloat16 round_to_nearest_even) for every finite and infinite value (NaN is not handled here:
-    callers send blocks with a non-finite scale to the torch path)."""
+    the kernels refuse a cell with a non-finite scale, which the caller decodes with torch)."""
     return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _finite(bits):
+    """Whether every bf16 bit pattern in ``bits`` is finite (exponent not all ones)."""
+    for i in range(bits.shape[0]):
+        if bits[i] & np.uint16(0x7F80) == np.uint16(0x7F80):
+            return False
+    return True
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -62,7 +71,10 @@ def dequantize_nibble_pairs(scales, codes, out, offset, stride, hidden, zero):
     """:func:`dequantize_nibbles` where ``hidden % 32 == 0`` and rows start at even positions: ``out`` is
     the flat output as uint32 (``offset``, ``stride`` in uint32 units) and each code byte becomes one
     uint32 holding its two bf16 values (little-endian: low nibble's first), so stores need no interleave
-    (~1.7x the 16-bit kernel's speed here: 8-9 vs ~5 GB/s of bf16)."""
+    (~1.7x the 16-bit kernel's speed here: 8-9 vs ~5 GB/s of bf16). Returns False, writing nothing, when a
+    scale is not finite."""
+    if not _finite(scales):
+        return False
     nb = hidden // 32
     for t in range(scales.shape[0] // nb):
         row = offset + t * stride
@@ -76,6 +88,7 @@ def dequantize_nibble_pairs(scales, codes, out, offset, stride, hidden, zero):
                 lo = np.uint32(_bf16(_f32_bits(np.float32((v & 15) - zero) * s)))
                 hi = np.uint32(_bf16(_f32_bits(np.float32((v >> 4) - zero) * s)))
                 o[j] = lo | (hi << np.uint32(16))
+    return True
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -83,7 +96,10 @@ def dequantize_nibbles(scales, codes, out, offset, stride, hidden, zero):
     """Block codes two a byte (low nibble first), integer levels ``nibble - zero``: ``out`` rows ← bf16 of
     ``(nibble - zero) * s``, the float32 product (exact: a 4-bit integer times an 8-bit significand) rounded
     once to bf16, as torch's bf16 ``levels * scales`` rounds it. ``scales``: uint16 bf16 bits ``[T * nb]``;
-    ``codes``: uint8 ``[T * nb * 16]`` (nb = ceil(H / 32), the last block zero-padded); every scale finite."""
+    ``codes``: uint8 ``[T * nb * 16]`` (nb = ceil(H / 32), the last block zero-padded). Returns False,
+    writing nothing, when a scale is not finite (inf/NaN products: the caller decodes that cell with torch)."""
+    if not _finite(scales):
+        return False
     nb = (hidden + 31) // 32
     full = hidden // 32
     for t in range(scales.shape[0] // nb):
@@ -104,3 +120,4 @@ def dequantize_nibbles(scales, codes, out, offset, stride, hidden, zero):
                 v = np.int32(codes[k * 16 + j // 2])
                 v = (v >> 4) if j % 2 else (v & 15)
                 out[row + 32 * full + j] = _bf16(_f32_bits(np.float32(v - zero) * s))
+    return True
