@@ -50,7 +50,6 @@ import xxhash
 import zstandard
 
 from capture.errors import CaptureError
-from shards import kernels
 
 DEFAULT = "bf16-split"
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
@@ -111,8 +110,16 @@ def _decode_split(cell, tokens: int, hidden: int, dtype: torch.dtype, out: torch
     if high.size != n or low.size != n:
         raise ValueError(f"bf16-split cell holds {high.size}+{low.size} bytes, expected {n}+{n}")
     out = _target(out, tokens, hidden, dtype)
-    kernels.interleave(high, low, *_flat(out), hidden)  # one pass, straight into the sample
+    _kernels().interleave(high, low, *_flat(out), hidden)  # one pass, straight into the sample
     return out
+
+
+def _kernels():
+    """:mod:`shards.kernels`, imported on the first decode that needs it: numba costs ~0.5 s to import (and
+    imports yaml), which a process that only lists or verifies shards should not pay."""
+    from shards import kernels
+
+    return kernels
 
 
 def _target(out: torch.Tensor | None, tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
@@ -266,10 +273,10 @@ def _block_codec(name: str, qmax: int = 0, levels: np.ndarray | None = None):
             target = _target(out, tokens, hidden, dtype)
             flat, offset, stride = _flat(target)
             if hidden % BLOCK == 0 and offset % 2 == 0 and stride % 2 == 0 and flat.size % 2 == 0:
-                done = kernels.dequantize_nibble_pairs(s_bits, codes, flat.view(np.uint32), offset // 2, stride // 2,
+                done = _kernels().dequantize_nibble_pairs(s_bits, codes, flat.view(np.uint32), offset // 2, stride // 2,
                                                        hidden, qmax)
             else:
-                done = kernels.dequantize_nibbles(s_bits, codes, flat, offset, stride, hidden, qmax)
+                done = _kernels().dequantize_nibbles(s_bits, codes, flat, offset, stride, hidden, qmax)
             if done:  # else a scale is not finite: torch below
                 return target
         s = torch.from_numpy(s_bits.view(np.int16).copy()).view(torch.bfloat16)
