@@ -19,7 +19,7 @@ int8-b32      no        per token and block of 32 channels a bf16 scale (amax / 
                         codes, one zstd-1 frame (:func:`_block_codec`)
 int6-b32      no        the same with codes in [-31, 31]: zstd codes them in ~5.7 bits         ~0.36
 fp4-b32       no        the same with FP4 E2M1 codes (MXFP4's element type), two a byte        ~0.25
-int4-b32      no        the same with integer codes in [-7, 7], two a byte (``code + 7`` per    ~0.24
+int4-b32      no        the same with integer codes in [-7, 7], two a byte (``code + 7`` per    ~0.22
                         nibble, low first) from format 1.5; one a byte (int8) before, still read
 ============  ========  =====================================================================  ======
 
@@ -221,8 +221,8 @@ def _block_codec(name: str, qmax: int = 0, levels: np.ndarray | None = None):
     (H zero-padded to whole blocks). Decode: ``code * s`` in bf16 — codes and E2M1 levels are exact in
     bf16 and the product of two bf16 values is rounded once, as a float32 product cast to bf16 would be.
 
-    Why int4 codes go two a byte (format 1.5; one a byte before, ~7% smaller on disk): a reader core's
-    zstd stage then has half the bytes to decode (~1.8 → ~3.4 GB/s of bf16 here), and the packed
+    Why int4 codes go two a byte (format 1.5; one a byte before): a reader core's zstd stage then has half
+    the bytes to decode (~1.8 → ~3.4 GB/s of bf16 here; the cells also come out ~5% smaller), and the packed
     integer codes dequantize in one compiled pass into the sample (:func:`shards.kernels.dequantize_nibbles`):
     the only way this CPU reads a training codec at >= 1.5 GB/s a core (docs/performance.md). Cells of
     either layout decode (told apart by their decompressed size); the values are the same bits.
