@@ -416,6 +416,8 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
         writer.dataset(manifest, dataclasses.asdict(prep.dataset))
     except OSError as e:
         raise CaptureError(f"cannot write the manifest in {cfg.out}: {e.strerror or e}") from None
+    if manifest.header is not None:  # a resumed run keeps the cell layout of the version that started it
+        prep = dataclasses.replace(prep, header=prep.header.replace(format_version=manifest.header.format_version))
     garbage = manifest_mod.garbage(loc, manifest)
     if garbage:
         log.warning("%s: %d uncommitted file(s) from an interrupted run are ignored (removed when this run completes)",

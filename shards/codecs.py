@@ -126,9 +126,10 @@ def _target(out: torch.Tensor | None, tokens: int, hidden: int, dtype: torch.dty
     """``out`` (checked) or a new ``[tokens, hidden]`` tensor of ``dtype``."""
     if out is None:
         return torch.empty(tokens, hidden, dtype=dtype)
-    if tuple(out.shape) != (tokens, hidden) or out.dtype != dtype or (tokens > 1 and hidden > 0 and out.stride(1) != 1):
-        raise ValueError(f"out must be a [{tokens}, {hidden}] {dtype} tensor with unit stride along H, "
-                         f"not {list(out.shape)} {out.dtype} strides {out.stride()}")
+    if (tuple(out.shape) != (tokens, hidden) or out.dtype != dtype or (hidden > 1 and out.stride(1) != 1)
+            or (tokens > 1 and out.stride(0) < hidden)):  # rows laid out one after another, never overlapping
+        raise ValueError(f"out must be a [{tokens}, {hidden}] {dtype} tensor with unit stride along H and rows "
+                         f"that do not overlap, not {list(out.shape)} {out.dtype} strides {out.stride()}")
     return out
 
 

@@ -137,6 +137,11 @@ def test_decode_into_a_tap_slice_of_a_sample(codec, real_states):
         codecs.decode(codec, cell, t, h, out=torch.empty(t, h + 1, dtype=torch.bfloat16)[:, :h + 1])
     with pytest.raises(ValueError, match="out must be a"):
         codecs.decode(codec, cell, t, h, out=torch.empty(t, h, dtype=torch.float16))
+    one = codecs.encode(codec, x[:1])
+    for bad in (torch.zeros(1, 2 * h, dtype=torch.bfloat16)[:, ::2],  # one token, H strided
+                torch.zeros(1, h, dtype=torch.bfloat16).expand(t, h)):  # rows on top of each other
+        with pytest.raises(ValueError, match="out must be a"):
+            codecs.decode(codec, one if bad.shape[0] == 1 else cell, bad.shape[0], h, out=bad)
 
 
 def test_int4_packs_two_codes_a_byte_from_format_1_5_with_the_same_bits(real_states):

@@ -192,6 +192,31 @@ def test_a_run_that_committed_nothing_starts_again_with_new_settings(tmp_path, r
     assert refused.returncode == 2 and "different codec" in refused.stderr
 
 
+def test_a_resumed_run_keeps_the_cell_layout_of_its_format_version(tmp_path, reader_run):
+    """A run started by format 1.4 (header written, as a 1.4 capture leaves it) and resumed by this one
+    writes 1.4 shards: int4-b32 codes one a byte, the schema's version 1.4, cells that decode within bound."""
+    import zstandard
+
+    from shards.format import read_header
+    from shards.reader import read_table, shard_paths
+    from shards.rows import read_row
+
+    out = tmp_path / "run"
+    old = manifest.read(reader_run).header
+    manifest.ManifestWriter.open(out, old.replace(codec="int4-b32", format_version="1.4"))
+    args = ["run", "--out", str(out), "--dataset", "sharegpt", "--layers", "3,15,27", "--final", "post-norm",
+            "--codec", "int4-b32", "--limit", "2", "--json", *SMALL]
+    capture_cli(*args, check=True)
+    assert manifest.read(out).header.format_version == "1.4"
+    table = read_table(shard_paths(out)[0])
+    assert read_header(table.schema).format_version == "1.4"
+    tokens = table.column("num_tokens")[0].as_py()
+    nb = -(-old.hidden_size // 32)
+    cell = table.column("tap_3")[0].as_py()
+    assert zstandard.frame_content_size(cell[:-8]) == 2 * tokens * nb + 32 * tokens * nb  # one code a byte
+    assert read_row(table, 0).states["tap_3"].shape == (tokens, old.hidden_size)
+
+
 def test_eta_counts_the_records_the_engine_has_left():
     from capture.driver import _eta
 
