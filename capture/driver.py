@@ -517,6 +517,7 @@ def _run_replicas(cfg: RunConfig, prep: Prepared, started: float, loc: Location,
     finally:
         progress.tick()
         if pool is not None:
+            pool.close()
             summary.replicas = [dataclasses.asdict(s) for s in pool.stats]
             summary.quarantined = dict(pool.quarantined)
             timings.start = (ray_up - started - timings.prepare) + pool.start_seconds

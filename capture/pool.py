@@ -105,6 +105,10 @@ class RayCalls:
     def kill(self, actor) -> None:
         self._ray.kill(actor, no_restart=True)
 
+    def release(self, actor) -> None:
+        """The run is over: the actor goes (its payloads are objects the driver owns, they stay)."""
+        self.kill(actor)
+
 
 @dataclasses.dataclass
 class LocalActor:
@@ -139,6 +143,14 @@ class LocalCalls:
     def kill(self, actor: LocalActor) -> None:
         actor.thread.shutdown(wait=False, cancel_futures=True)
         actor.replica = None
+
+    def release(self, actor: LocalActor) -> None:
+        """The run is over: calls not started are cancelled, a running one is waited for, then the replica's
+        threads end and its engine is dropped."""
+        actor.thread.shutdown(wait=True, cancel_futures=True)
+        if actor.replica is not None:
+            actor.replica.close()
+            actor.replica = None
 
 
 @dataclasses.dataclass
@@ -239,6 +251,15 @@ class ReplicaPool:
                 self._committed(slot, infos)
             if not failed:
                 return
+
+    def close(self) -> None:
+        """Release every replica (the run's end, after :meth:`finish` or a failure): in-process replicas
+        free their engines, Ray actors are killed."""
+        for slot in self.slots:
+            try:
+                self.calls.release(slot.actor)
+            except Exception as e:  # noqa: BLE001 - a replica that is already gone has nothing to release
+                log.debug("releasing a replica: %s", e)
 
     def _free_slot(self) -> int | None:
         loads = [(len(s.queue), i) for i, s in enumerate(self.slots) if len(s.queue) < self.in_flight]

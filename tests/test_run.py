@@ -5,12 +5,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
 import torch
 
-from conftest import REPO, capture_cli
+from conftest import REPO, capture_cli, capture_process
 from shards import manifest
 from shards.reader import iter_rows
 
@@ -34,6 +35,8 @@ def test_run_matches_reference_resumes_and_extends(tmp_path, smol_dir):
     assert s["executor"] == "local"  # auto: one hf replica runs in the driver's process, no Ray
     assert s["kept"] + sum(s["skipped"].values()) == 10
     assert s["committed_rows"] == s["kept"] == s["total_rows"] > 0
+    # the in-process replica is released: no writer, encoder or replica thread outlives the run (each held the model)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(("shard-writer", "encode", "replica"))]
     assert capture_cli("shards", "verify", str(out)).returncode == 0
     m = manifest.read(out)
     assert m.complete and list(m.header.columns) == ["tap_3", "tap_15", "tap_29", "final"]
@@ -82,8 +85,9 @@ def test_ray_and_in_process_replicas_write_identical_shards(tmp_path):
     runs = {}
     for executor in ("ray", "local"):
         out = tmp_path / executor
-        s = summary_of(capture_cli("run", "--out", str(out), "--limit", "5", "--executor", executor, "--json", *SMALL,
-                                   check=True))
+        run = capture_process if executor == "ray" else capture_cli  # a Ray driver in a process of its own
+        s = summary_of(run("run", "--out", str(out), "--limit", "5", "--executor", executor, "--json", *SMALL,
+                           check=True))
         assert s["executor"] == executor and s["committed_rows"] > 0
         runs[executor] = [(sh["sample_ids"], sh["rows"], sh["sha256"]) for sh in manifest.read(out).shards]
     assert runs["ray"] == runs["local"] and runs["local"]

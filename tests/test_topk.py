@@ -41,7 +41,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from conftest import capture_cli, capture_inproc
+from conftest import capture_cli, capture_inproc, capture_process
 from helpers import make_header, make_rows
 
 from capture.engines.base import Captured
@@ -444,9 +444,9 @@ def test_vllm_topk_matches_hf(tmp_path, sample_jsonl, reference):
     reference of each record alone: VLLM_NEAR_TIE (module docstring); ``topk_ids[:, 0] == argmax``."""
     pytest.importorskip("vllm")
     out = tmp_path / "run"
-    capture_cli("run", "--engine", "vllm", "--dataset", str(sample_jsonl), "--limit", "3", "--max-tokens", "256",
-                "--overlength", "truncate", "--layers", "3", "--topk", str(K), "--max-model-len", "1024",
-                "--vllm-arg", "enforce_eager=true", "--out", str(out), "--no-progress", check=True)
+    capture_process("run", "--engine", "vllm", "--dataset", str(sample_jsonl), "--limit", "3", "--max-tokens", "256",
+                    "--overlength", "truncate", "--layers", "3", "--topk", str(K), "--max-model-len", "1024",
+                    "--vllm-arg", "enforce_eager=true", "--out", str(out), "--no-progress", check=True)
     table = pa.concat_tables([read_table(p) for p in shard_paths(out)])
     assert read_header(table.schema).topk == K and table.num_rows == 3
     top1, overlap, worst_dv, worst_rank = [], [], 0.0, 0.0

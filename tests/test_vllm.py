@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import capture_cli, capture_inproc
+from conftest import capture_inproc, capture_process
 
 pytest.importorskip("vllm")
 
@@ -216,10 +216,10 @@ def test_cli_run_with_vllm(tmp_path, sample_jsonl, encoder, smol_dir):
     from shards.rows import state_tensor
 
     out = tmp_path / "run"
-    proc = capture_cli("run", "--engine", "vllm", "--dataset", str(sample_jsonl), "--limit", "6", "--layers", "3,15",
-                       "--final", "post-norm", "--out", str(out), "--max-model-len", "2048",
-                       "--vllm-arg", "enforce_eager=true", "--vllm-arg", "enable_prefix_caching=true",
-                       "--json", "--no-progress", check=True)
+    proc = capture_process("run", "--engine", "vllm", "--dataset", str(sample_jsonl), "--limit", "6", "--layers",
+                           "3,15", "--final", "post-norm", "--out", str(out), "--max-model-len", "2048",
+                           "--vllm-arg", "enforce_eager=true", "--vllm-arg", "enable_prefix_caching=true",
+                           "--json", "--no-progress", check=True)
     summary = json.loads(proc.stdout)
     assert "enable_prefix_caching=True overridden to False" in proc.stderr
     # on by default for vLLM: 8 rows (here all 6) against an independent float32 HF forward (provenance.check)
@@ -262,8 +262,8 @@ def test_bad_vllm_arg(tmp_path, args, message):
 
 def test_vllm_refusals_at_engine_start_are_one_line(tmp_path):
     """An engine argument vLLM itself refuses at start-up (a value of the wrong type) is one line, exit 2."""
-    proc = capture_cli("run", "--engine", "vllm", "--vllm-arg", "max_num_batched_tokens=abc", "--limit", "2",
-                       "--out", str(tmp_path / "r"), "--no-progress")
+    proc = capture_process("run", "--engine", "vllm", "--vllm-arg", "max_num_batched_tokens=abc", "--limit", "2",
+                           "--out", str(tmp_path / "r"), "--no-progress")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "vLLM refused the engine settings" in proc.stderr and "Traceback" not in proc.stderr
 
