@@ -1,6 +1,7 @@
 # Two entry points for a fresh machine (Python 3.10+, CPU is enough):
 #   make demo   set up .venv, capture 300 ShareGPT conversations with SmolLM2-135M, verify the shards
 #   make test   set up .venv, run the test suite
+#   make test-fast   the lane without a model, Ray or vLLM (tests/conftest.py), for every edit
 # On a GPU machine override TORCH and VLLM (e.g. make setup TORCH=torch VLLM=vllm).
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
@@ -36,10 +37,13 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q --durations=25
 
+test-fast: setup
+	CAPTURE_TEST_LANE=fast $(BIN)/python -m pytest -q -m "not model and not ray and not vllm" --durations=10
+
 # wheels bench/gpu_check.sh installs on a GPU machine without network (CPython 3.10-3.13, x86_64)
 gpu-wheels:
 	for v in 3.10 3.11 3.12 3.13; do $(PYTHON) -m pip download -q --only-binary=:all: --no-deps -d .whl \
 	    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --python-version $$v \
 	    zstandard xxhash ijson jinja2 markupsafe numba llvmlite; done
 
-.PHONY: setup demo test gpu-wheels
+.PHONY: setup demo test test-fast gpu-wheels

@@ -1,4 +1,12 @@
-"""Shared fixtures: the real embedded model (SmolLM2-135M-Instruct, converted once) and real data."""
+"""Shared fixtures: the real embedded model (SmolLM2-135M-Instruct, converted once) and real data; the
+CLI in this process or in its own; the lanes.
+
+Lanes (markers, pyproject.toml): ``model`` (loads a real model or runs a capture), ``ray`` (starts or joins
+Ray), ``vllm`` (starts vLLM). ``make test-fast`` runs everything else (``-m "not model and not ray and not
+vllm"``) with ``CAPTURE_TEST_LANE=fast``, which fails a test that opens model weights, starts a Ray
+cluster or imports vLLM without its marker. A test that uses ``smol_dir`` (every real-model fixture does)
+is marked ``model`` here, one that uses ``local_ray`` ``ray``.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +19,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-# what a capture started by capture_process gets: no progress bars in the output the tests read
+# in-process CLI runs (capture_cli) get what capture_process gives its child: no progress bars in the output read
 os.environ.setdefault("TQDM_DISABLE", "1")
+LANES = ("model", "ray", "vllm")
 
 if TYPE_CHECKING:
     from shards.writer import ShardInfo
@@ -20,6 +29,64 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_SAMPLE = REPO.parent / "shared" / "data" / "open-perfectblend-sample.jsonl"
+
+
+FIXTURE_LANES = {"smol_dir": "model", "local_ray": "ray"}  # a test using one (maybe through another fixture)
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        for fixture, lane in FIXTURE_LANES.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(getattr(pytest.mark, lane))
+
+
+_FAST_LANE_VIOLATIONS: list[str] = []
+_FAST_LANE_GUARD = False  # True once collection is over
+
+
+def _fast_lane_audit(event: str, args: tuple) -> None:
+    """An audit hook (``sys.addaudithook``) for ``make test-fast``: what only marked tests may do. A model is
+    seen by the files Python opens for it (its config, tokenizer or GGUF under the capture cache; transformers
+    reads safetensors outside Python's ``open``)."""
+    if not _FAST_LANE_GUARD:
+        return
+    what = None
+    if event == "open" and isinstance(args[0], (str, os.PathLike)) and (
+            str(args[0]).startswith(_MODEL_CACHE) or str(args[0]).endswith(".gguf")):
+        what = f"opens a model's files ({args[0]}): mark it model"
+    elif event == "subprocess.Popen" and any(n in str(args[0]) for n in ("gcs_server", "raylet")):
+        what = "starts a Ray cluster: mark it ray"
+    elif event == "subprocess.Popen" and list(args[1])[1:3] == ["-m", "cli"]:
+        what = "runs the capture CLI in a process of its own: mark it model (or ray)"
+    elif event == "import" and args[0] == "vllm":
+        what = "imports vLLM: mark it vllm"
+    if what is not None:
+        _FAST_LANE_VIOLATIONS.append(what)
+        raise RuntimeError(f"make test-fast: this test {what}")
+
+
+if os.environ.get("CAPTURE_TEST_LANE") == "fast":
+    from capture.targets import cache_dir
+
+    _MODEL_CACHE = str(cache_dir() / "models")
+    sys.addaudithook(_fast_lane_audit)
+
+
+def pytest_collection_finish(session) -> None:
+    global _FAST_LANE_GUARD
+    _FAST_LANE_GUARD = True  # collection imports what it imports (test_vllm.py skips without vLLM)
+
+
+@pytest.fixture(autouse=True)
+def _fast_lane_check():
+    """In the fast lane: fails the test that did what only a marked one may, in its body or in the set-up of
+    a fixture it was the first to use (even where the error the audit hook raised was caught on the way)."""
+    yield
+    if _FAST_LANE_VIOLATIONS:
+        what = _FAST_LANE_VIOLATIONS[0]
+        _FAST_LANE_VIOLATIONS.clear()
+        pytest.fail(f"make test-fast: this test {what}", pytrace=False)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -20,6 +20,8 @@ from shards.reader import iter_rows
 from shards.writer import ShardWriter
 from shards.rows import Row
 
+pytestmark = pytest.mark.model  # every test reads a real capture
+
 AUTOIF = "Post-training-Data-Flywheel/AutoIF-instruct-61k"
 ULTRAFEEDBACK = "HuggingFaceH4/ultrafeedback_binarized"
 ULTRACHAT = "mlabonne/ultrachat_200k_sft"

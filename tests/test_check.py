@@ -20,6 +20,8 @@ from shards.rows import read_row
 from shards.run import as_location
 from shards.writer import ShardWriter
 
+pytestmark = pytest.mark.model  # every test checks real captures against a forward
+
 
 def test_real_runs_pass_post_norm_and_pre_norm(reader_run, prenorm_run):
     for run in (reader_run, prenorm_run):

@@ -222,7 +222,7 @@ def _capture(out, *extra):
 
 
 @pytest.fixture(scope="module")
-def small_run(tmp_path_factory):
+def small_run(tmp_path_factory, smol_dir):
     # --topk 8: the KL option trains on the stored top-K; everything else ignores it
     return _capture(tmp_path_factory.mktemp("drafter") / "run", "--dataset", "sharegpt", "--limit", "24",
                     "--topk", "8")
@@ -292,7 +292,7 @@ def test_training_lowers_loss_and_checkpoint_round_trips(small_run, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def held_run(tmp_path_factory):
+def held_run(tmp_path_factory, smol_dir):
     """Rows 0-3 with regenerated answers (no top-K): the same prompts as 4 rows of small_run."""
     return _capture(tmp_path_factory.mktemp("drafter") / "held", "--dataset", "sharegpt", "--limit", "4",
                     "--responses", "regenerate", "--max-new-tokens", "8")
@@ -375,6 +375,7 @@ def test_cli_train_eval_and_user_errors(small_run, held_run, tmp_path):
     assert bad.exit_code == 2 and "block_size must be at least 2" in bad.stderr
 
 
+@pytest.mark.ray
 def test_online_training_sees_the_rows_of_the_shards_bit_for_bit(small_run, tmp_path):
     """`drafter train --online`: the same capture settings as small_run, streamed from Ray replicas with no
     shards: the same conversations with bit-identical features, and (in one order) the same trained drafter."""

@@ -28,6 +28,8 @@ import torch
 from conftest import capture_cli
 from glm_fixtures import build_fixture
 
+pytestmark = pytest.mark.model  # tiny random-weight GLM targets, captured and run
+
 LAYERS = (0, 1, 2, 3, 4)  # every layer of the 5-layer fixtures (glm5_next: KDA 0-2 and 4, MLA + indexer 3)
 ROWS = [
     {"messages": [{"role": "user", "content": "What is the weather in Paris today?"},

@@ -9,7 +9,7 @@ starts supporting them makes these tests fail and the statement in docs/glm.md g
   CUDA build of it), so vLLM refuses the model config. Its attention layers are MLA + the same DSA
   indexer, and its linear-attention (KDA) kernels are Triton, which has no CPU backend here, so it would
   not run on CPU with torchvision either (read from vLLM's source, not observed).
-Each engine start runs in a spawned process, as in tests/test_vllm.py.
+The engine starts run in one spawned process (vLLM is loaded once; no start gets as far as an engine).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from glm_fixtures import build_fixture
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks vLLM-CPU's refusals")
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(torch.cuda.is_available(), reason="checks vLLM-CPU's refusals")]
 
 
 def _start(model_dir: str, path: str = "hooks") -> str:
@@ -40,21 +40,28 @@ def _start(model_dir: str, path: str = "hooks") -> str:
     return "started"
 
 
-def _in_spawned_process(model_dir, path: str = "hooks") -> str:
+@pytest.fixture(scope="module")
+def spawned():
+    """One spawned process for the module's engine starts: each start is refused while vLLM builds its
+    config, before any engine exists, so the process never holds a vLLM instance; vLLM is imported once."""
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-        return pool.submit(_start, str(model_dir), path).result(timeout=600)
+        yield pool
+
+
+def _in_spawned_process(pool, model_dir, path: str = "hooks") -> str:
+    return pool.submit(_start, str(model_dir), path).result(timeout=600)
 
 
 @pytest.mark.parametrize("path", ["hooks", "extract"])
-def test_glm_moe_dsa_refused_sparse_attention_on_cpu(tmp_path, path):
-    msg = _in_spawned_process(build_fixture("glm_moe_dsa", tmp_path / "m", layers=3), path)
+def test_glm_moe_dsa_refused_sparse_attention_on_cpu(tmp_path, spawned, path):
+    msg = _in_spawned_process(spawned, build_fixture("glm_moe_dsa", tmp_path / "m", layers=3), path)
     assert msg == "vLLM cannot run this target on this platform: Sparse Attention is not supported on CPU."
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="the refusal is torchvision's absence")
-def test_glm5_next_refused_without_torchvision(tmp_path):
-    msg = _in_spawned_process(build_fixture("glm5_next", tmp_path / "m", layers=4))
+def test_glm5_next_refused_without_torchvision(tmp_path, spawned):
+    msg = _in_spawned_process(spawned, build_fixture("glm5_next", tmp_path / "m", layers=4))
     assert msg.startswith("vLLM refused the engine settings (ValidationError)"), msg
 
 

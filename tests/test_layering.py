@@ -16,31 +16,41 @@ from conftest import REPO
 FRONT_END = ("capture.config", "capture.data", "capture.chat", "capture.driver", "filters", "yaml")
 
 
-def loaded_after(statement: str) -> set[str]:
-    code = f"import json, sys\n{statement}\nprint(json.dumps(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
-    return set(json.loads(out.stdout.splitlines()[-1]))
+SHARD_LAYER = ["import shards.stream", "import shards.verify", "import shards.recode", "import shards.export",
+               "import shards.summary", "import drafter.data", "import shards.retain", "import shards.online"]
 
 
-@pytest.mark.parametrize("statement", ["import shards.stream", "import shards.verify", "import shards.recode",
-                                       "import shards.export", "import shards.summary", "import drafter.data",
-                                       "import shards.retain", "import shards.online"])
-def test_the_shard_layer_loads_no_front_end(statement):
-    loaded = loaded_after(statement)
-    assert not loaded & set(FRONT_END), sorted(loaded & set(FRONT_END))
-    assert "shards.run" in loaded and "capture.errors" in loaded  # the shared leaf modules, nothing more
+@pytest.fixture(scope="module")
+def loaded() -> dict[str, set[str]]:
+    """``sys.modules`` after each statement, each in a fresh interpreter; the interpreters run side by side
+    (each is one core's import work)."""
+    code = "import json, sys\n{}\nprint(json.dumps(sorted(sys.modules)))"
+    procs = {s: subprocess.Popen([sys.executable, "-c", code.format(s)], cwd=REPO, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+             for s in [*SHARD_LAYER, "import filters", "import cli"]}
+    out = {}
+    for statement, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-2000:]
+        out[statement] = set(json.loads(stdout.splitlines()[-1]))
+    return out
 
 
-def test_filters_load_only_leaf_modules():
-    loaded = loaded_after("import filters")
-    assert {m for m in loaded if m.startswith("capture")} <= {"capture", "capture.errors", "capture.hashing",
-                                                              "capture.records"}
-    assert "capture.records" in loaded  # the record types filters take
-    assert "yaml" not in loaded and "torch" not in loaded
+@pytest.mark.parametrize("statement", SHARD_LAYER)
+def test_the_shard_layer_loads_no_front_end(loaded, statement):
+    assert not loaded[statement] & set(FRONT_END), sorted(loaded[statement] & set(FRONT_END))
+    assert "shards.run" in loaded[statement] and "capture.errors" in loaded[statement]  # the shared leaf modules, nothing more
 
 
-def test_the_cli_starts_without_torch():
-    assert "torch" not in loaded_after("import cli")
+def test_filters_load_only_leaf_modules(loaded):
+    assert {m for m in loaded["import filters"] if m.startswith("capture")} <= {"capture", "capture.errors",
+                                                                              "capture.hashing", "capture.records"}
+    assert "capture.records" in loaded["import filters"]  # the record types filters take
+    assert "yaml" not in loaded["import filters"] and "torch" not in loaded["import filters"]
+
+
+def test_the_cli_starts_without_torch(loaded):
+    assert "torch" not in loaded["import cli"]
 
 
 def test_every_registered_engine_declares_its_capabilities():

@@ -18,6 +18,8 @@ from test_scale import SAMPLE_NAME, env_for, kill_a_busy_replica, tag  # noqa: F
 
 import online_trainer
 
+pytestmark = [pytest.mark.ray, pytest.mark.model]  # every test runs Ray replicas of SmolLM2
+
 LIMIT = 16
 
 

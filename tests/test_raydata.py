@@ -9,6 +9,8 @@ from shards import manifest as manifest_mod
 from shards.raydata import read_run, samples
 from shards.stream import ShardStream
 
+pytestmark = pytest.mark.ray
+
 
 @pytest.fixture(scope="module")
 def local_ray():

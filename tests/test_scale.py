@@ -21,6 +21,8 @@ from conftest import REPO
 from shards import manifest as manifest_mod
 from shards.verify import verify
 
+pytestmark = [pytest.mark.ray, pytest.mark.model]  # real Ray replicas of SmolLM2
+
 LIMIT = 24
 SAMPLE_NAME = "open-perfectblend-sample.jsonl"
 

