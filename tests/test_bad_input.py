@@ -34,6 +34,7 @@ def bad_jsonl(tmp_path):
     return path
 
 
+@pytest.mark.model
 def test_bad_rows_are_counted_and_good_rows_kept(tmp_path, bad_jsonl):
     out = tmp_path / "run"
     proc = capture_cli("run", "--out", str(out), "--dataset", str(bad_jsonl), "--json", *SMALL, check=True)
@@ -49,6 +50,7 @@ def test_bad_rows_are_counted_and_good_rows_kept(tmp_path, bad_jsonl):
     assert capture_cli("shards", "verify", str(out)).returncode == 0
 
 
+@pytest.mark.model
 def test_all_records_filtered_exits_non_zero_with_reasons(tmp_path, bad_jsonl):
     out = tmp_path / "run"
     proc = capture_cli("run", "--out", str(out), "--dataset", str(bad_jsonl), "--min-tokens", "100000", *SMALL)
@@ -66,7 +68,8 @@ def test_all_records_filtered_exits_non_zero_with_reasons(tmp_path, bad_jsonl):
         (["--final", "pre-norm", "--layers", "29"], "duplicates tap 29"),
         (["--target", "nope"], "unknown target 'nope'"),
         (["--shard-size", "lots"], "not a size"),
-        (["--chat-template", "/no/template.jinja"], "cannot read --chat-template"),
+        pytest.param(["--chat-template", "/no/template.jinja"], "cannot read --chat-template",
+                     marks=pytest.mark.model),  # refused once the model's tokenizer is loaded
         (["--unit-timeout", "inf"], "unit-timeout: inf is not a number of seconds > 0"),
         (["--commit-every", "0"], "commit-every: 0.0 is not a number of seconds > 0"),
         (["--first-unit-tokens", "0"], "first-unit-tokens: 0 is not"),
@@ -80,6 +83,7 @@ def test_user_errors_are_one_line(tmp_path, args, message):
     assert not (tmp_path / "run" / "manifest.jsonl").exists()
 
 
+@pytest.mark.model
 def test_truncated_sharegpt_is_reported_not_fatal(tmp_path):
     """The real ShareGPT file breaks off mid-record; a dry run over all of it reports it and goes on.
     (A source cap keeps tokenization to 5 rows; every row is still read.)"""
@@ -92,6 +96,7 @@ def test_truncated_sharegpt_is_reported_not_fatal(tmp_path):
     assert not (tmp_path / "plan").exists()
 
 
+@pytest.mark.model
 def test_config_file_and_flags_override(tmp_path, sample_jsonl):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"dataset: {sample_jsonl}\nlayers: [3, 15]\nlimit: 49\nfilters:\n  max_tokens: 1000\n"
@@ -107,6 +112,7 @@ def test_config_file_and_flags_override(tmp_path, sample_jsonl):
     assert result.exit_code == 2 and "unknown config key(s): colour" in result.stderr
 
 
+@pytest.mark.model
 def test_out_folder_with_other_files_is_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     result = capture_inproc("run", "--out", str(tmp_path), "--limit", "2", *SMALL)
@@ -114,6 +120,7 @@ def test_out_folder_with_other_files_is_refused(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
+@pytest.mark.model
 def test_second_writer_on_the_same_run_is_refused(tmp_path):
     from filelock import FileLock
 
@@ -148,6 +155,7 @@ def test_config_values_of_the_wrong_type(tmp_path, yaml_line, message):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.model
 def test_out_that_is_a_file_and_too_many_replicas(tmp_path):
     afile = tmp_path / "afile.txt"
     afile.write_text("x")
@@ -158,6 +166,7 @@ def test_out_that_is_a_file_and_too_many_replicas(tmp_path):
     assert not (tmp_path / "r" / "manifest.jsonl").exists() and not (tmp_path / "r" / "provenance.json").exists()
 
 
+@pytest.mark.model
 def test_another_file_with_a_dataset_name_already_read_is_refused(tmp_path):
     rows = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]} for i in range(3)]
     for d, shift in (("v1", 0), ("v2", 10)):

@@ -289,6 +289,7 @@ def test_engine_auto_choice():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU choice")
+@pytest.mark.model
 def test_engine_auto_in_a_run(tmp_path):
     """The choice and its reason are in the summary (text and --json); a vLLM-only option picks vLLM; a
     resume keeps the engine its run was captured with."""

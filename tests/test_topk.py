@@ -272,6 +272,7 @@ def test_bad_topk_is_one_line(tmp_path, args, message):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.model
 def test_topk_with_no_argmax_is_allowed(tmp_path):
     res = capture_inproc("run", "--topk", "4", "--no-argmax", "--limit", "2", "--out", str(tmp_path / "r"), "--dry-run",
                          "--json")
