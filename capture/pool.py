@@ -106,8 +106,8 @@ class RayCalls:
         self._ray.kill(actor, no_restart=True)
 
     def release(self, actor) -> None:
-        """The run is over: the actor goes (its payloads are objects the driver owns, they stay)."""
-        self.kill(actor)
+        """The run is over: nothing to do; Ray ends an actor once the driver drops its handles, letting it
+        exit cleanly (a ``ray.kill`` would skip an engine's own shutdown, e.g. vLLM's TP workers)."""
 
 
 @dataclasses.dataclass

@@ -259,9 +259,12 @@ class Replica:
         return closed
 
     def close(self) -> None:
-        """End the writer thread and drop the engine (after :meth:`finish`; the replica is unusable after):
+        """End the writer and encoder threads and drop the engine (after :meth:`finish`; the replica is unusable after):
         an in-process replica's thread would otherwise keep the replica, and so its model, alive after the
         run (~280 MiB a SmolLM2 run, measured)."""
         self._queue.put(None)
         self._thread.join()
+        for writer in (self.writer, getattr(self.writer, "shards", None), getattr(self.writer, "payloads", None)):
+            if writer is not None:  # a TeeWriter's two writers each have their encoder
+                writer.encode.close()
         self.engine = None

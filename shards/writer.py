@@ -53,6 +53,11 @@ class CellEncoder:
 
         return [encode(t) for t in tensors] if self.pool is None else list(self.pool.map(encode, tensors))
 
+    def close(self) -> None:
+        """End the encoder threads (the encoder is unusable after)."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
 
 @dataclasses.dataclass(frozen=True)
 class ShardInfo:

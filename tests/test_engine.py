@@ -210,7 +210,7 @@ def test_packed_batch_matches_each_record_alone_and_keeps_records_apart(smol_dir
     """A batch of real conversations of mixed lengths, packed (several records a forward, no padding):
     every record's states within bf16 kernel differences of its forward alone and argmax equal but at
     near-ties; changing one record's tokens leaves every other record's states bit-identical."""
-    from capture.engines.hf import pack_groups
+    from capture.engines.hf import compute_dtype, pack_groups
 
     packing = HFEngine(str(smol_dir), make_taps(SMOL, (0, 3, 15), "post-norm"), pack_tokens=512)
     batch = [records[0], records[1][:97], records[2], records[1][:40], records[2][:63]]
@@ -218,6 +218,7 @@ def test_packed_batch_matches_each_record_alone_and_keeps_records_apart(smol_dir
     assert packing.packs and max(len(g) for g in groups) >= 3  # this test packs, several records a forward
     got = packing.forward(batch)
     cos = torch.nn.functional.cosine_similarity
+    mean_bound = 0.9999 if compute_dtype("auto", "bfloat16") == "float32" else 0.9995  # measured: below
     for ids, g in zip(batch, got):
         alone = engine.forward([ids])[0]
         for c in g.states:
@@ -226,7 +227,7 @@ def test_packed_batch_matches_each_record_alone_and_keeps_records_apart(smol_dir
             # --dtype auto computes in float32 (AVX2); where it computes in bf16 (AVX-512, CI's 2026-12-04
             # machine) the final state's mean is 0.9998, worst token 0.9992
             c_ = cos(g.states[c].float(), alone.states[c].float(), dim=-1)
-            assert c_.min() >= 0.995 and c_.mean() >= 0.9995, (c, c_.min(), c_.mean())
+            assert c_.min() >= 0.995 and c_.mean() >= mean_bound, (c, c_.min(), c_.mean())
         assert (g.argmax == alone.argmax).mean() >= 0.95
     changed = [b.copy() for b in batch]
     changed[3] = (changed[3] + 7) % 49152  # in the pack [2, 3, 4]: record 4 comes after it in the same forward
