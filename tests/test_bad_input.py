@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import capture_cli, capture_inproc
+from conftest import capture_cli, capture_inproc, capture_process
 from shards import manifest
 
 SMALL = ["--max-tokens", "200", "--overlength", "truncate", "--no-progress"]
@@ -53,7 +53,8 @@ def test_bad_rows_are_counted_and_good_rows_kept(tmp_path, bad_jsonl):
 @pytest.mark.model
 def test_all_records_filtered_exits_non_zero_with_reasons(tmp_path, bad_jsonl):
     out = tmp_path / "run"
-    proc = capture_cli("run", "--out", str(out), "--dataset", str(bad_jsonl), "--min-tokens", "100000", *SMALL)
+    # a process of its own: every line the real command prints (transformers' loggers write to stderr themselves)
+    proc = capture_process("run", "--out", str(out), "--dataset", str(bad_jsonl), "--min-tokens", "100000", *SMALL)
     assert proc.returncode == 2
     assert "no records written" in proc.stderr and "under_min_tokens=4" in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
