@@ -254,7 +254,7 @@ class ReplicaPool:
 
     def close(self) -> None:
         """Release every replica (the run's end, after :meth:`finish` or a failure): in-process replicas
-        free their engines, Ray actors are killed."""
+        free their engines; Ray actors end once the driver drops their handles."""
         for slot in self.slots:
             try:
                 self.calls.release(slot.actor)

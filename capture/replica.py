@@ -265,6 +265,6 @@ class Replica:
         self._queue.put(None)
         self._thread.join()
         for writer in (self.writer, getattr(self.writer, "shards", None), getattr(self.writer, "payloads", None)):
-            if writer is not None:  # a TeeWriter's two writers each have their encoder
+            if getattr(writer, "encode", None) is not None:  # a TeeWriter's two writers each have their encoder
                 writer.encode.close()
         self.engine = None
