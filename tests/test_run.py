@@ -86,14 +86,18 @@ def test_run_matches_reference_resumes_and_extends(tmp_path, smol_dir):
 
 @pytest.mark.model
 @pytest.mark.ray
-def test_ray_and_in_process_replicas_write_identical_shards(tmp_path):
-    """--executor ray (a Ray actor) and local (the driver's process) commit byte-identical shards."""
+def test_ray_and_in_process_replicas_write_identical_shards(tmp_path, ray_cluster):
+    """--executor ray (a Ray actor on the session's cluster) and local (the driver's process) commit
+    byte-identical shards."""
     runs = {}
     for executor in ("ray", "local"):
         out = tmp_path / executor
-        run = capture_process if executor == "ray" else capture_cli  # a Ray driver in a process of its own
-        s = summary_of(run("run", "--out", str(out), "--limit", "5", "--executor", executor, "--json", *SMALL,
-                           check=True))
+        args = ("run", "--out", str(out), "--limit", "5", "--executor", executor, "--json", *SMALL)
+        if executor == "ray":  # a Ray driver in a process of its own
+            s = summary_of(capture_process(*args, "--ray-address", ray_cluster.address, env=ray_cluster.env,
+                                           check=True))
+        else:
+            s = summary_of(capture_cli(*args, check=True))
         assert s["executor"] == executor and s["committed_rows"] > 0
         runs[executor] = [(sh["sample_ids"], sh["rows"], sh["sha256"]) for sh in manifest.read(out).shards]
     assert runs["ray"] == runs["local"] and runs["local"]

@@ -8,7 +8,6 @@ so a test finds and kills exactly its own processes, never another Ray instance 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, forget_ray_head, free_port, kill_tagged, start_ray_head, tagged_pids
 from shards import manifest as manifest_mod
 from shards.verify import verify
 
@@ -25,32 +24,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.model]  # real Ray replicas of SmolLM
 
 LIMIT = 24
 SAMPLE_NAME = "open-perfectblend-sample.jsonl"
-
-
-def tagged_pids(tag: str, title: str | None = None) -> list[int]:
-    """Processes whose environment carries ``CAPTURE_TEST_TAG=tag`` (and whose command line contains
-    ``title``, e.g. Ray's process title ``ray::Replica.process`` while a unit runs)."""
-    out = []
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit() or int(p.name) == os.getpid():
-            continue
-        try:
-            if f"CAPTURE_TEST_TAG={tag}".encode() not in (p / "environ").read_bytes():
-                continue
-            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if title is None or title in cmd:
-            out.append(int(p.name))
-    return out
-
-
-def kill_tagged(tag: str) -> None:
-    for pid in tagged_pids(tag):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.fixture
@@ -66,12 +39,7 @@ def ray_head_port():
     /tmp/ray is removed when it names this head (`ray stop` would stop every Ray on the machine)."""
     port = free_port()
     yield port
-    current = Path("/tmp/ray/ray_current_cluster")
-    try:
-        if current.read_text().strip().endswith(f":{port}"):
-            current.unlink()
-    except OSError:
-        pass
+    forget_ray_head(port)
 
 
 def run_cmd(out: Path, sample: Path, *extra: str) -> list[str]:
@@ -80,8 +48,10 @@ def run_cmd(out: Path, sample: Path, *extra: str) -> list[str]:
             "--shard-size", "1MiB", "--no-progress", "--json", *extra]
 
 
-def env_for(tag: str) -> dict:
-    return {**os.environ, "CAPTURE_TEST_TAG": tag, "TQDM_DISABLE": "1"}
+def env_for(tag: str, cluster=None) -> dict:
+    """A test process's environment: its tag, no progress bars, and the credentials of ``cluster`` (a
+    conftest.RayCluster) when it connects to one."""
+    return {**os.environ, "CAPTURE_TEST_TAG": tag, "TQDM_DISABLE": "1", **(cluster.env if cluster else {})}
 
 
 def assert_exactly_once(out: Path) -> None:
@@ -151,25 +121,13 @@ def test_driver_killed_then_rerun_completes_exactly_once(tmp_path, sample_jsonl,
     assert_exactly_once(out)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ray_job_submit_two_replicas(tmp_path, sample_jsonl, tag, ray_head_port):
     """The README's cluster recipe: `ray start --head`, then `ray job submit -- capture run --ray-address auto`."""
     port, dash = ray_head_port, free_port()
     # Ray >= 2.59 authenticates local clusters with a token: the head and `ray job submit` share one
     env = {**env_for(tag), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex}
     ray_bin = str(Path(sys.executable).with_name("ray"))
-    start = subprocess.run([ray_bin, "start", "--head", "--port", str(port), "--dashboard-host", "127.0.0.1",
-                            "--dashboard-port", str(dash), "--num-cpus", "2", "--include-dashboard", "true",
-                            # every fixed default port free too: another Ray on this machine may hold them
-                            *(a for flag in ("--ray-client-server-port", "--dashboard-agent-listen-port",
-                                             "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
-                                             "--metrics-export-port") for a in (flag, str(free_port()))),
-                            "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=180)
+    start = start_ray_head(port, env, dashboard_port=dash)
     assert start.returncode == 0, start.stderr[-3000:]
     out = tmp_path / "run"
     cmd = run_cmd(out, sample_jsonl, "--replicas", "2", "--cpus-per-replica", "1", "--ray-address", "auto")

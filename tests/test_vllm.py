@@ -258,10 +258,11 @@ def test_bad_vllm_arg(tmp_path, args, message):
     assert not (tmp_path / "r").exists()
 
 
-def test_vllm_refusals_at_engine_start_are_one_line(tmp_path):
+def test_vllm_refusals_at_engine_start_are_one_line(tmp_path, ray_cluster):
     """An engine argument vLLM itself refuses at start-up (a value of the wrong type) is one line, exit 2."""
     proc = capture_process("run", "--engine", "vllm", "--vllm-arg", "max_num_batched_tokens=abc", "--limit", "2",
-                           "--out", str(tmp_path / "r"), "--no-progress")
+                           "--out", str(tmp_path / "r"), "--no-progress", "--ray-address", ray_cluster.address,
+                           env=ray_cluster.env)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "vLLM refused the engine settings" in proc.stderr and "Traceback" not in proc.stderr
 
