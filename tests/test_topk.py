@@ -351,67 +351,6 @@ def test_write_time_validation():
 
 # ------------------------------------------------------------------------------------------ vLLM
 
-WIDE = 400  # logprobs of the vLLM reference request: far past any tie group at the 32nd value
-
-
-def _vllm_topk_job(model_dir: str, records: list[np.ndarray]) -> dict:
-    """Runs in a spawned process (one vLLM instance per process, tests/test_vllm.py): the engine's top-K of
-    ``records`` twice, then a ``prompt_logprobs=WIDE`` request of the same batch on the same instance."""
-    from vllm import SamplingParams, TokensPrompt
-
-    from capture.engines.vllm import VLLMEngine
-    from capture.targets import PRESETS, make_taps
-
-    # eager: the top-K comes from vLLM's sampler either way, and a compiled start costs ~90 s more here
-    eng = VLLMEngine(model_dir, make_taps(PRESETS["smollm2-135m"], (3,), "none"), topk=K,
-                     engine_args={"max_model_len": 1024, "max_logprobs": WIDE, "enforce_eager": True})
-    first, second = eng.forward(records), eng.forward(records)
-    params = [SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=WIDE, logprobs=WIDE, detokenize=False)
-              for _ in records]
-    outs = eng.llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in r]) for r in records], params,
-                            use_tqdm=False)
-    wide = []
-    for r, out in zip(records, outs):
-        positions = list(out.prompt_logprobs[1:]) + [out.outputs[0].logprobs[0]]
-        wide.append([{tok: lp.logprob for tok, lp in p.items() if lp.rank <= WIDE} for p in positions])
-    return {"first": [(c.topk_ids, c.topk_logprobs, c.argmax) for c in first],
-            "second": [(c.topk_ids, c.topk_logprobs) for c in second], "wide": wide}
-
-
-@pytest.mark.vllm
-def test_vllm_engine_topk_is_its_forwards_topk(encoder, sample_jsonl, smol_dir):
-    """The vLLM engine's top-32 of 3 real Open-PerfectBlend conversations (<= 256 tokens, one batch) equals
-    the first 32 of the same forward's top-400 in the capture's order (value descending, ties to the lower
-    id) at every position, values bit-equal; the forward is deterministic; ``argmax == topk_ids[:, 0]``."""
-    pytest.importorskip("vllm")
-    import concurrent.futures
-    import itertools
-    import multiprocessing
-
-    from capture.data import ReadStats, iter_conversations, resolve_dataset
-
-    convs = iter_conversations(resolve_dataset(str(sample_jsonl)), ReadStats())
-    records = [encoder.encode(c).input_ids[:256] for c in itertools.islice(convs, 3)]
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-        got = pool.submit(_vllm_topk_job, str(smol_dir), records).result(timeout=900)
-    tied, positions = 0, 0
-    for (ids, values, argmax), (ids2, values2), wide, rec in zip(got["first"], got["second"], got["wide"], records):
-        assert ids.shape == values.shape == (len(rec), K) and ids.dtype == np.int32 and values.dtype == np.float32
-        np.testing.assert_array_equal(ids2, ids)
-        assert np.array_equal(values2.view(np.uint32), values.view(np.uint32))
-        ref = [sorted(p.items(), key=lambda kv: (-kv[1], kv[0])) for p in wide]
-        assert all(len(p) == WIDE for p in ref)
-        np.testing.assert_array_equal(ids, [[tok for tok, _ in p[:K]] for p in ref])
-        ref_values = np.array([[v for _, v in p[:K]] for p in ref], dtype=np.float32)
-        assert np.array_equal(values.view(np.uint32), ref_values.view(np.uint32))
-        np.testing.assert_array_equal(argmax, ids[:, 0])
-        tied += sum(p[K - 1][1] == p[K][1] for p in ref)  # a tie across the 32nd value: vLLM's own cut is arbitrary
-        positions += len(rec)
-    print(f"vLLM top-{K} vs its top-{WIDE}: exact at {positions} positions, a tie across the {K}th value at {tied}")
-    assert tied > 0  # the case the margin exists for is in this data
-
-
 @pytest.mark.vllm
 def test_vllm_topk_resolves_ties_to_the_lower_id_and_counts_what_it_cannot():
     """``VLLMEngine._topk`` on hand-built vLLM entries: order by value, ties to the lower id; the prompt's

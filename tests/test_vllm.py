@@ -25,6 +25,8 @@ LAYERS = (0, 3, 15, 29)
 N_CONVERSATIONS = 16
 MAX_TOKENS = 1500
 GEN_TOKENS = 12
+K = 32  # the top-K of test_vllm_engine_topk_is_its_forwards_topk (tests/test_topk.py's K)
+WIDE = 400  # logprobs of its reference request: far past any tie group at the 32nd value
 COLUMNS = [f"tap_{k}" for k in LAYERS] + ["final"]
 
 
@@ -32,25 +34,50 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
 
 
-def _vllm_job(model_dir: str, path: str, final: str, batch: list[np.ndarray], prompts: list[np.ndarray]) -> dict:
-    """Runs in a spawned process: one VLLMEngine, a prefill of ``batch`` and greedy generation of ``prompts``."""
+def _vllm_job(model_dir: str, path: str, final: str, batch: list[np.ndarray], prompts: list[np.ndarray],
+              topk_records: list[np.ndarray] = ()) -> dict:
+    """Runs in a spawned process: one VLLMEngine, a prefill of ``batch`` and greedy generation of
+    ``prompts``; with ``topk_records``, the engine keeps the top-``K`` and, after those, takes
+    ``topk_records`` twice and then a ``prompt_logprobs=WIDE`` request of them on the same instance
+    (test_vllm_engine_topk_is_its_forwards_topk: one engine start serves both)."""
     from capture.engines.base import Sampling
     from capture.engines.vllm import VLLMEngine
     from capture.targets import PRESETS, make_taps
 
     taps = make_taps(PRESETS["smollm2-135m"], LAYERS, final)
     # chunked prefill forced (128 tokens per step) and prefix caching asked for (the engine must refuse it)
-    eng = VLLMEngine(model_dir, taps, path=path, engine_args={
-        "max_model_len": 2048, "max_num_batched_tokens": 128, "enable_prefix_caching": True})
+    args = {"max_model_len": 2048, "max_num_batched_tokens": 128, "enable_prefix_caching": True}
+    eng = VLLMEngine(model_dir, taps, path=path, topk=K if topk_records else 0,
+                     engine_args={**args, **({"max_logprobs": WIDE} if topk_records else {})})
     caps = eng.forward(batch)
     gens = eng.generate(prompts, Sampling(max_new_tokens=GEN_TOKENS), stop_ids=[2])
-    return {
+    out = {
         "path": eng.path,
         "prefix_caching": eng.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching,
         "states": [c.states for c in caps],
         "argmax": [c.argmax for c in caps],
         "generated": [(g.token_ids, g.finish_reason) for g in gens],
     }
+    if topk_records:
+        out["topk"] = _topk_job(eng, topk_records)
+    return out
+
+
+def _topk_job(eng, records: list[np.ndarray]) -> dict:
+    """The engine's top-K of ``records`` twice, then a ``prompt_logprobs=WIDE`` request of the same batch."""
+    from vllm import SamplingParams, TokensPrompt
+
+    first, second = eng.forward(records), eng.forward(records)
+    params = [SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=WIDE, logprobs=WIDE, detokenize=False)
+              for _ in records]
+    outs = eng.llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in r]) for r in records], params,
+                            use_tqdm=False)
+    wide = []
+    for r, out in zip(records, outs):
+        positions = list(out.prompt_logprobs[1:]) + [out.outputs[0].logprobs[0]]
+        wide.append([{tok: lp.logprob for tok, lp in p.items() if lp.rank <= WIDE} for p in positions])
+    return {"first": [(c.topk_ids, c.topk_logprobs, c.argmax) for c in first],
+            "second": [(c.topk_ids, c.topk_logprobs) for c in second], "wide": wide}
 
 
 def _in_spawned_process(*args) -> dict:
@@ -105,8 +132,18 @@ def extract(smol_dir, records, prompts):
 
 
 @pytest.fixture(scope="module")
-def hooks(smol_dir, records, prompts):
-    return _in_spawned_process(str(smol_dir), "hooks", "post-norm", records, prompts)
+def topk_records(encoder, sample_jsonl):
+    """The first 3 Open-PerfectBlend sample conversations, cut at 256 tokens."""
+    from capture.data import ReadStats, iter_conversations, resolve_dataset
+
+    convs = iter_conversations(resolve_dataset(str(sample_jsonl)), ReadStats())
+    return [encoder.encode(c).input_ids[:256] for c in itertools.islice(convs, 3)]
+
+
+@pytest.fixture(scope="module")
+def hooks(smol_dir, records, prompts, topk_records):
+    """The eager hooks path, whose engine also keeps the top-K (test_vllm_engine_topk_is_its_forwards_topk)."""
+    return _in_spawned_process(str(smol_dir), "hooks", "post-norm", records, prompts, topk_records)
 
 
 def _agreement(a: list[dict], b: list[dict], columns) -> dict[str, tuple[float, float]]:
@@ -173,6 +210,29 @@ def test_argmax_matches_hf(extract, hf):
     near-ties, which bf16 kernel differences may flip."""
     same = np.concatenate([a == b for a, b in zip(extract["argmax"], hf["argmax"])])
     assert same.mean() >= 0.97, same.mean()
+
+
+def test_vllm_engine_topk_is_its_forwards_topk(hooks, topk_records):
+    """The vLLM engine's top-32 of 3 real Open-PerfectBlend conversations (<= 256 tokens, one batch, prefilled
+    in 128-token chunks by the hooks path's eager engine) equals the first 32 of the same forward's top-400 in the capture's order (value descending, ties to the lower
+    id) at every position, values bit-equal; the forward is deterministic; ``argmax == topk_ids[:, 0]``."""
+    got = hooks["topk"]
+    tied, positions = 0, 0
+    for (ids, values, argmax), (ids2, values2), wide, rec in zip(got["first"], got["second"], got["wide"],
+                                                                 topk_records):
+        assert ids.shape == values.shape == (len(rec), K) and ids.dtype == np.int32 and values.dtype == np.float32
+        np.testing.assert_array_equal(ids2, ids)
+        assert np.array_equal(values2.view(np.uint32), values.view(np.uint32))
+        ref = [sorted(p.items(), key=lambda kv: (-kv[1], kv[0])) for p in wide]
+        assert all(len(p) == WIDE for p in ref)
+        np.testing.assert_array_equal(ids, [[tok for tok, _ in p[:K]] for p in ref])
+        ref_values = np.array([[v for _, v in p[:K]] for p in ref], dtype=np.float32)
+        assert np.array_equal(values.view(np.uint32), ref_values.view(np.uint32))
+        np.testing.assert_array_equal(argmax, ids[:, 0])
+        tied += sum(p[K - 1][1] == p[K][1] for p in ref)  # a tie across the 32nd value: vLLM's own cut is arbitrary
+        positions += len(rec)
+    print(f"vLLM top-{K} vs its top-{WIDE}: exact at {positions} positions, a tie across the {K}th value at {tied}")
+    assert tied > 0  # the case the margin exists for is in this data
 
 
 def test_generate(extract, hooks, hf, prompts):
