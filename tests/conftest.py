@@ -268,19 +268,34 @@ def start_ray_head(port: int, env: dict, *, dashboard_port: int | None = None) -
 @dataclasses.dataclass(frozen=True)
 class RayCluster:
     address: str  # host:port of the head's GCS, what `--ray-address` takes
-    env: dict[str, str]  # what a process that connects needs in its environment (the head's auth token)
+    env: dict[str, str]  # what a capture process that connects by address needs in its environment
+
+    def connect(self) -> None:
+        """``ray.init`` this process to the cluster. Token authentication is turned on in this process as
+        Ray does when it finds a local cluster (the token in ``~/.ray/auth_token``); ``RAY_AUTH_MODE``
+        cannot be set here, Ray reads it once, at import."""
+        import ray
+        from ray._private.authentication import authentication_token_setup
+
+        authentication_token_setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+        ray.init(address=self.address, logging_level="ERROR")
 
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> RayCluster:
-    """One Ray head for the session (`ray start --head`, 2 CPUs, no dashboard, token authentication with a
-    token of its own), for the tests whose capture processes connect with ``--ray-address`` and kill none of
-    the cluster's own processes (a killed driver or trainer is fine: the cluster outlives its drivers).
-    Connecting costs ~1 s where a local ``ray.init`` costs ~8 s with its shutdown. Tests that kill a
-    replica or a raylet start their own Ray. Its processes carry a tag of their own and are killed at the
-    end of the session."""
+    """One Ray head for the session (`ray start --head`, 2 CPUs, no dashboard), for the tests whose capture
+    runs connect to it (``--ray-address``) and kill none of its own processes (a killed driver or trainer
+    is fine: the cluster outlives its drivers). Connecting costs ~1 s where a local ``ray.init`` costs ~8 s
+    with its shutdown; tests that kill a replica or a raylet start their own Ray. Token authentication as
+    Ray sets it up for a local cluster: the token in ``~/.ray/auth_token`` (made if missing), so a trainer
+    rank that attaches (shards.online) needs nothing in its environment, while a capture given an address
+    needs ``RAY_AUTH_MODE=token`` (:attr:`RayCluster.env`). Its processes carry a tag of their own and are
+    killed at the end of the session."""
     tag, port = uuid.uuid4().hex, free_port()
-    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex}
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    token = subprocess.run([ray_bin, "get-auth-token", "--generate"], capture_output=True, text=True, timeout=120)
+    assert token.returncode == 0, token.stderr[-3000:]
+    env = {"RAY_AUTH_MODE": "token"}
     start = start_ray_head(port, {**os.environ, **env, "CAPTURE_TEST_TAG": tag})
     assert start.returncode == 0, start.stderr[-3000:]
     try:

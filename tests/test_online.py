@@ -43,7 +43,8 @@ def test_online_rows_equal_an_offline_run_bit_for_bit(tmp_path, sample_jsonl, ta
     same ids, each exactly once, with bit-identical input ids, taps, final state and argmax.
 
     Then --keep for 2 ranks: rank 0 reads in the capture's process, rank 1 in a process of its own that
-    attaches by the run folder and decodes in 2 spawned DataLoader workers. Every row reaches exactly one
+    attaches by the run folder (nothing about the cluster in its environment: the endpoint and Ray's local
+    token file are enough) and decodes in 2 spawned DataLoader workers. Every row reaches exactly one
     rank, bit for bit as offline and as the tee's shards hold it; both workers get rows and both stop at the
     end; the capture's process waits for the attached rank's acks before it closes the queues. A DataLoader
     worker forked from the capture's (Ray-connected) process is refused in one line before it takes a unit.
@@ -75,7 +76,7 @@ def test_online_rows_equal_an_offline_run_bit_for_bit(tmp_path, sample_jsonl, ta
     tee = tmp_path / "tee"
     rank1 = subprocess.Popen([sys.executable, str(REPO / "tests" / "online_trainer.py"), "--out", str(tee),
                               "--dataset", str(sample_jsonl), "--limit", str(LIMIT), "--attach", "1", "--workers", "2"],
-                             cwd=REPO, env=env_for(tag, ray_cluster), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             cwd=REPO, env=env_for(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     rank0 = trainer(tee, sample_jsonl, tag, "--world-size", "2", "--keep", "--try-fork", cluster=ray_cluster)
     stdout0, stderr0 = rank0.communicate(timeout=600)
     stdout1, stderr1 = rank1.communicate(timeout=600)

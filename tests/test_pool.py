@@ -55,9 +55,10 @@ class ScriptedReplica:
 
 
 @pytest.fixture(scope="module")
-def local_ray():
+def local_ray(ray_cluster):
+    """This process connected to the session's Ray cluster for the module (conftest.ray_cluster)."""
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    ray_cluster.connect()
     yield
     ray.shutdown()
 

@@ -13,8 +13,9 @@ pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+def local_ray(ray_cluster):
+    """This process connected to the session's Ray cluster for the module (conftest.ray_cluster)."""
+    ray_cluster.connect()
     yield
     ray.shutdown()
 
