@@ -5,7 +5,7 @@ Lanes (markers, pyproject.toml): ``model`` (loads a real model or runs a capture
 Ray), ``vllm`` (starts vLLM). ``make test-fast`` runs everything else (``-m "not model and not ray and not
 vllm"``) with ``CAPTURE_TEST_LANE=fast``, which fails a test that opens model weights, starts a Ray
 cluster or imports vLLM without its marker. A test that uses ``smol_dir`` (every real-model fixture does)
-is marked ``model`` here, one that uses ``local_ray`` ``ray``.
+is marked ``model`` here, one that uses ``local_ray`` or ``ray_cluster`` ``ray``.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def _fast_lane_audit(event: str, args: tuple) -> None:
     if event == "open" and isinstance(args[0], (str, os.PathLike)) and (
             str(args[0]).startswith(_MODEL_CACHE) or str(args[0]).endswith(".gguf")):
         what = f"opens a model's files ({args[0]}): mark it model"
-    elif event == "subprocess.Popen" and any(n in str(args[0]) for n in ("gcs_server", "raylet")):
+    elif event == "subprocess.Popen" and (any(n in str(args[0]) for n in ("gcs_server", "raylet"))
+                                          or list(args[1])[1:3] == ["start", "--head"]):  # `ray start --head`
         what = "starts a Ray cluster: mark it ray"
     elif event == "subprocess.Popen" and list(args[1])[1:3] == ["-m", "cli"]:
         what = "runs the capture CLI in a process of its own: mark it model (or ray)"
@@ -252,13 +253,15 @@ def forget_ray_head(port: int) -> None:
         pass
 
 
-def start_ray_head(port: int, env: dict, *, dashboard_port: int | None = None) -> subprocess.CompletedProcess:
-    """`ray start --head` on ``port`` with 2 CPUs, every other fixed default port picked free (another Ray
-    on this machine may hold them); the dashboard and its job agent only when ``dashboard_port`` is given."""
+def start_ray_head(port: int, env: dict, *, num_cpus: int = 2,
+                   dashboard_port: int | None = None) -> subprocess.CompletedProcess:
+    """`ray start --head` on ``port`` with ``num_cpus`` CPUs, every other fixed default port picked free
+    (another Ray on this machine may hold them); the dashboard and its job agent only when
+    ``dashboard_port`` is given."""
     ray_bin = str(Path(sys.executable).with_name("ray"))
     dashboard = (["--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port), "--include-dashboard",
                   "true"] if dashboard_port else ["--include-dashboard", "false"])
-    return subprocess.run([ray_bin, "start", "--head", "--port", str(port), "--num-cpus", "2", *dashboard,
+    return subprocess.run([ray_bin, "start", "--head", "--port", str(port), "--num-cpus", str(num_cpus), *dashboard,
                            *(a for flag in ("--ray-client-server-port", "--dashboard-agent-listen-port",
                                             "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
                                             "--metrics-export-port") for a in (flag, str(free_port()))),
@@ -270,20 +273,32 @@ class RayCluster:
     address: str  # host:port of the head's GCS, what `--ray-address` takes
     env: dict[str, str]  # what a capture process that connects by address needs in its environment
 
-    def connect(self) -> None:
-        """``ray.init`` this process to the cluster. Token authentication is turned on in this process as
-        Ray does when it finds a local cluster (the token in ``~/.ray/auth_token``); ``RAY_AUTH_MODE``
-        cannot be set here, Ray reads it once, at import."""
+    @contextlib.contextmanager
+    def connect(self):
+        """This process connected to the cluster (``ray.init``) for the ``with`` block, then disconnected
+        (``ray.shutdown``): a process connected to Ray cannot fork DataLoader workers for later tests. Token
+        authentication is turned on as Ray does when it finds a local cluster (the token in
+        ``~/.ray/auth_token``), which also sets ``RAY_AUTH_MODE=token`` in ``os.environ``; the variable is
+        put back afterwards, so the processes later tests start inherit nothing from this."""
         import ray
         from ray._private.authentication import authentication_token_setup
 
-        authentication_token_setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-        ray.init(address=self.address, logging_level="ERROR")
+        before = os.environ.get("RAY_AUTH_MODE")
+        try:
+            authentication_token_setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+            ray.init(address=self.address, logging_level="ERROR")
+            yield
+        finally:
+            ray.shutdown()
+            if before is None:
+                os.environ.pop("RAY_AUTH_MODE", None)
+            else:
+                os.environ["RAY_AUTH_MODE"] = before
 
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> RayCluster:
-    """One Ray head for the session (`ray start --head`, 2 CPUs, no dashboard), for the tests whose capture
+    """One Ray head for the session (`ray start --head`, this machine's CPUs, no dashboard), for the tests whose capture
     runs connect to it (``--ray-address``) and kill none of its own processes (a killed driver or trainer
     is fine: the cluster outlives its drivers). Connecting costs ~1 s where a local ``ray.init`` costs ~8 s
     with its shutdown; tests that kill a replica or a raylet start their own Ray. Token authentication as
@@ -296,9 +311,9 @@ def ray_cluster() -> RayCluster:
     token = subprocess.run([ray_bin, "get-auth-token", "--generate"], capture_output=True, text=True, timeout=120)
     assert token.returncode == 0, token.stderr[-3000:]
     env = {"RAY_AUTH_MODE": "token"}
-    start = start_ray_head(port, {**os.environ, **env, "CAPTURE_TEST_TAG": tag})
-    assert start.returncode == 0, start.stderr[-3000:]
-    try:
+    try:  # as many CPUs as a local ray.init gives a run (a replica's torch threads follow them)
+        start = start_ray_head(port, {**os.environ, **env, "CAPTURE_TEST_TAG": tag}, num_cpus=os.cpu_count())
+        assert start.returncode == 0, start.stderr[-3000:]
         yield RayCluster(f"127.0.0.1:{port}", env)
     finally:
         kill_tagged(tag)
@@ -353,7 +368,7 @@ def vllm_run(tmp_path_factory, sample_jsonl, ray_cluster) -> tuple[Path, subproc
     cluster, the first 6
     Open-PerfectBlend sample rows cut at 256 tokens, taps 3 and 15, the post-norm final state, top-32
     log-probabilities (prompt_logprobs 32 + 16, past vLLM's default max_logprobs of 20), prefix caching asked
-    for (the engine overrides it). ~40 s: a process, Ray and a vLLM engine start."""
+    for (the engine overrides it). ~40-55 s: a process and a vLLM engine start (the driver imports vLLM too)."""
     out = tmp_path_factory.mktemp("vllm") / "run"
     proc = capture_process("run", "--engine", "vllm", "--dataset", str(sample_jsonl), "--limit", "6", "--layers",
                            "3,15", "--final", "post-norm", "--topk", "32", "--max-tokens", "256", "--overlength",

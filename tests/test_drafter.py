@@ -380,18 +380,13 @@ def test_online_training_sees_the_rows_of_the_shards_bit_for_bit(small_run, tmp_
     """`drafter train --online`: the same capture settings as small_run, streamed from Ray replicas with no
     shards: the same conversations with bit-identical features, and (in one order) the same trained drafter.
     The replicas run on the session's Ray cluster."""
-    import ray
-
     config = tmp_path / "capture.yaml"
     config.write_text(yaml.safe_dump({
         "target": "smollm2-135m", "dataset": "sharegpt", "limit": 24, "layers": "3,15,27", "topk": 8,
         "max_tokens": 256, "overlength": "truncate", "ray_address": ray_cluster.address,
         "out": str(tmp_path / "live")}))
-    ray_cluster.connect()  # the online capture finds this process connected and leaves Ray as it found it
-    try:
+    with ray_cluster.connect():  # the online capture finds this process connected and leaves Ray as it found it
         online = load_data(None, 0.25, topk=True, online=str(config))
-    finally:
-        ray.shutdown()
     offline = load_data(str(small_run), 0.25, topk=True)
     assert not list((tmp_path / "live").glob("*.arrow"))  # nothing but the run's log on disk
     assert online.summary() == offline.summary()

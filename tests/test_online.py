@@ -76,7 +76,8 @@ def test_online_rows_equal_an_offline_run_bit_for_bit(tmp_path, sample_jsonl, ta
     tee = tmp_path / "tee"
     rank1 = subprocess.Popen([sys.executable, str(REPO / "tests" / "online_trainer.py"), "--out", str(tee),
                               "--dataset", str(sample_jsonl), "--limit", str(LIMIT), "--attach", "1", "--workers", "2"],
-                             cwd=REPO, env=env_for(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             cwd=REPO, env=without_ray_auth(env_for(tag)), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
     rank0 = trainer(tee, sample_jsonl, tag, "--world-size", "2", "--keep", "--try-fork", cluster=ray_cluster)
     stdout0, stderr0 = rank0.communicate(timeout=600)
     stdout1, stderr1 = rank1.communicate(timeout=600)
@@ -99,6 +100,11 @@ def test_online_rows_equal_an_offline_run_bit_for_bit(tmp_path, sample_jsonl, ta
     assert end["summary"]["committed_rows"] == LIMIT
     assert_tee(tee)
     assert manifest_mod.read(tee).completions[-1]["online"] == "tee"
+
+
+def without_ray_auth(env: dict) -> dict:
+    """``env`` less Ray's authentication settings (a trainer rank started by hand has none)."""
+    return {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
 
 
 def all_ids() -> list[str]:

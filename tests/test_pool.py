@@ -58,9 +58,8 @@ class ScriptedReplica:
 def local_ray(ray_cluster):
     """This process connected to the session's Ray cluster for the module (conftest.ray_cluster)."""
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
-    ray_cluster.connect()
-    yield
-    ray.shutdown()
+    with ray_cluster.connect():
+        yield
 
 
 def run_pool(tmp_path, units, *, poison=(), hang=(), timeout=None, attempts=2, local=False):

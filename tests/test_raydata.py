@@ -15,9 +15,8 @@ pytestmark = pytest.mark.ray
 @pytest.fixture(scope="module")
 def local_ray(ray_cluster):
     """This process connected to the session's Ray cluster for the module (conftest.ray_cluster)."""
-    ray_cluster.connect()
-    yield
-    ray.shutdown()
+    with ray_cluster.connect():
+        yield
 
 
 def by_id(items):

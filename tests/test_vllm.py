@@ -214,8 +214,8 @@ def test_argmax_matches_hf(extract, hf):
 
 def test_vllm_engine_topk_is_its_forwards_topk(hooks, topk_records):
     """The vLLM engine's top-32 of 3 real Open-PerfectBlend conversations (<= 256 tokens, one batch, prefilled
-    in 128-token chunks by the hooks path's eager engine) equals the first 32 of the same forward's top-400 in the capture's order (value descending, ties to the lower
-    id) at every position, values bit-equal; the forward is deterministic; ``argmax == topk_ids[:, 0]``."""
+    in 128-token chunks by the hooks path's eager engine) equals the first 32 of the same forward's top-400
+    in the capture's order (value descending, ties to the lower id) at every position, values bit-equal; the forward is deterministic; ``argmax == topk_ids[:, 0]``."""
     got = hooks["topk"]
     tied, positions = 0, 0
     for (ids, values, argmax), (ids2, values2), wide, rec in zip(got["first"], got["second"], got["wide"],

@@ -29,7 +29,7 @@ lower id, and cut to K, the same rule as the HF engine. The margin is there beca
 bf16, so many tokens tie (measured on 3 Open-PerfectBlend conversations: a tie across the K-th value at
 347 of 640 positions for K=32), and vLLM's own top-K keeps an arbitrary member of a tie group: with the
 margin, the stored ids equal the first K of the canonically ordered full distribution whenever the tie
-group at the K-th value ends within the margin (tests/test_topk.py checks this against a top-400
+group at the K-th value ends within the margin (tests/test_vllm.py checks this against a top-400
 request of the same forward: every position). A position where it does not is counted and logged
 (the K-th id is then one of the tied ones; its value is exact either way). ``argmax`` is ``topk_ids[:,
 0]``. ``max_logprobs`` (vLLM's cap, default 20) is raised to ``K + TOPK_MARGIN``.
