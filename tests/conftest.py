@@ -6,6 +6,9 @@ Ray), ``vllm`` (starts vLLM). ``make test-fast`` runs everything else (``-m "not
 vllm"``) with ``CAPTURE_TEST_LANE=fast``, which fails a test that opens model weights, starts a Ray
 cluster or imports vLLM without its marker. A test that uses ``smol_dir`` (every real-model fixture does)
 is marked ``model`` here, one that uses ``local_ray`` or ``ray_cluster`` ``ray``.
+
+``make test`` runs 2 pytest-xdist workers (``-n 2``); each session fixture (the Ray head, the shared runs) is made
+once per worker, and a test file runs whole on one worker (:func:`pytest_xdist_make_scheduler`).
 """
 
 from __future__ import annotations
@@ -38,11 +41,39 @@ SHARED_SAMPLE = REPO.parent / "shared" / "data" / "open-perfectblend-sample.json
 FIXTURE_LANES = {"smol_dir": "model", "local_ray": "ray", "ray_cluster": "ray"}  # a test using one (maybe through another fixture)
 
 
-def pytest_collection_modifyitems(items) -> None:
+# `pytest -n 2` (pytest-xdist): one scope per test file, so a module's fixtures are made once, with test_topk.py
+# beside test_vllm.py (both read the session's vllm_run); scopes go out heaviest first (per-file times of the serial
+# suite, bench/test_suite.out), so no worker is left with a long file to itself at the end. (xdist's own
+# `--dist loadgroup` marks cannot do this on pytest 9: xdist 3.8 renames a node through an attribute pytest 9 dropped.)
+XDIST_SCOPES = {"test_topk": "test_vllm"}
+HEAVIEST_FIRST = ("test_vllm", "test_online", "test_regenerate", "test_scale", "test_check", "test_run",
+                  "test_drafter", "test_pool")
+
+
+def _scope(nodeid: str) -> str:
+    module = Path(nodeid.split("::", 1)[0]).stem
+    return XDIST_SCOPES.get(module, module)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScopes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+
+    return FileScopes(config, log)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         for fixture, lane in FIXTURE_LANES.items():
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(getattr(pytest.mark, lane))
+    if "PYTEST_XDIST_WORKER" in os.environ:  # every worker collects the same order; the scheduler keeps it
+        rank = {g: i for i, g in enumerate(HEAVIEST_FIRST)}
+        items.sort(key=lambda item: rank.get(_scope(item.nodeid), len(rank)))
 
 
 _FAST_LANE_VIOLATIONS: list[str] = []
