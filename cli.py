@@ -1,6 +1,6 @@
 """``capture``: the command line (click). Thin: every command calls one library function.
 
-User errors (:class:`capture.errors.CaptureError`) print one line on stderr and exit with status 2.
+User errors (:class:`common.errors.CaptureError`) print one line on stderr and exit with status 2.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 
 
 class _Group(click.Group):

@@ -37,7 +37,7 @@ def main() -> int:
     ap.add_argument("--min-cosine", type=float, default=0.98)
     args = ap.parse_args()
 
-    from capture.errors import CaptureError
+    from common.errors import CaptureError
 
     try:
         from capture.engines.exl3 import check_exl3

@@ -36,7 +36,7 @@ def main() -> None:
     from capture.chat import load_encoder
     from capture.data import ReadStats, iter_conversations, resolve_dataset
     from capture.engines.hf import cpu_features, pack_groups
-    from capture.records import Tokenized
+    from common.records import Tokenized
     from capture.replica import length_batches
     from capture.targets import PRESETS, model_dir
 

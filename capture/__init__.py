@@ -3,9 +3,9 @@
 ``capture.run(capture.RunConfig(out=...))`` runs (or resumes) a capture and returns its summary; the
 ``capture`` command line does the same (``cli.py``).
 
-Importing this package loads nothing else: ``RunConfig`` and the pipeline load on first use, so the
-leaf modules every layer shares (:mod:`capture.errors`, :mod:`capture.hashing`, :mod:`capture.records`)
-can be imported by ``shards/`` and ``filters/`` without the front end (config, data, chat, yaml).
+Importing this package loads nothing else: ``RunConfig`` and the pipeline load on first use. The leaf
+modules every layer shares (errors, hashing, record types) are the package :mod:`common`, below this one.
+``__version__`` is the package's one version (pyproject.toml reads it).
 """
 
 from __future__ import annotations

@@ -33,9 +33,9 @@ from typing import Literal, Sequence
 import numpy as np
 
 from capture.data import Conversation
-from capture.errors import CaptureError
-from capture.hashing import text_sha256
-from capture.records import Prompt, Tokenized
+from common.errors import CaptureError
+from common.hashing import text_sha256
+from common.records import Prompt, Tokenized
 
 SpecialTextPolicy = Literal["drop", "keep"]
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import yaml
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from filters import FilterConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.I)

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from capture.errors import CaptureError
-from capture.hashing import sha256_file
+from common.errors import CaptureError
+from common.hashing import sha256_file
 
 log = logging.getLogger(__name__)
 

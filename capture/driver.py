@@ -32,11 +32,11 @@ from typing import Callable
 import pyarrow.fs as pafs
 
 from capture.chat import ChatEncoder, load_encoder, packaged_template, tokenizer_sha256
-from capture.records import Tokenized
+from common.records import Tokenized
 from capture.config import RunConfig
 from capture.engines import NAMES, EngineSpec, engine_class, engine_spec, resolve_engine, vllm_engine_args
 from capture.data import DatasetRef, ReadStats, iter_conversations, resolve_dataset
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from capture.pool import LocalActor, LocalCalls, RayCalls, ReplicaPool
 from capture.regenerate import responses_header
 from capture.progress import LocalFeed, Progress, Timings, feed

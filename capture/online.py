@@ -40,7 +40,7 @@ import os
 import threading
 
 from capture.config import RunConfig
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from shards import manifest as manifest_mod
 from shards.online import ENDPOINT, OnlineStream, consumed_ids
 

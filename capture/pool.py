@@ -35,7 +35,7 @@ import logging
 import time
 from typing import Callable, Sequence
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 
 log = logging.getLogger(__name__)
 

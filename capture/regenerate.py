@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from capture.records import Prompt, Tokenized
+from common.records import Prompt, Tokenized
 from capture.engines.base import Sampling
 
 MODES = ("dataset", "regenerate")

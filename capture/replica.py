@@ -37,7 +37,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from capture.records import Prompt, Tokenized
+from common.records import Prompt, Tokenized
 from capture.engines import EngineSpec, load_engine
 from capture.engines.base import Captured
 from capture.regenerate import regenerate, sampling_of

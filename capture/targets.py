@@ -30,8 +30,8 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from capture.errors import CaptureError
-from capture.hashing import sha256_file_once
+from common.errors import CaptureError
+from common.hashing import sha256_file_once
 from shards.format import FINAL, tap_column
 
 Final = Literal["none", "post-norm", "pre-norm"]

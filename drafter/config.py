@@ -6,7 +6,7 @@ import dataclasses
 import typing
 from typing import Any, Literal
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 
 
 @dataclasses.dataclass(frozen=True)

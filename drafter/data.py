@@ -27,7 +27,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from shards.format import RunHeader
 from shards.stream import ShardStream, in_split
 

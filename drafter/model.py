@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from drafter.blocks import Batch
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from shards.format import RunHeader
 from shards.run import MANIFEST, MANIFEST_DIR, as_location
 from drafter import blocks, data, metrics

@@ -29,7 +29,7 @@ from typing import Literal
 
 import numpy as np
 
-from capture.records import Prompt, Tokenized
+from common.records import Prompt, Tokenized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,7 @@ class FilterConfig:
     dedup: bool = False
 
     def __post_init__(self) -> None:
-        from capture.errors import CaptureError
+        from common.errors import CaptureError
 
         for name in ("min_tokens", "max_tokens", "min_loss_tokens"):
             v = getattr(self, name)

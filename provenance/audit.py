@@ -51,7 +51,7 @@ import numpy as np
 
 from capture.chat import ChatEncoder, load_encoder, tokenizer_sha256
 from capture.data import Conversation, iter_conversations, ReadStats, resolve_dataset
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from provenance import reference as ref_index
 from provenance.record import PROVENANCE
 from provenance.record import read as read_provenance

@@ -36,7 +36,7 @@ import random
 import numpy as np
 import torch
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from shards import manifest as manifest_mod
 from shards.format import FINAL, RunHeader, tap_column
 from shards.rows import read_row

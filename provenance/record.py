@@ -25,9 +25,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from capture.targets import gguf_path
-from capture.hashing import sha256_file_once
+from common.hashing import sha256_file_once
 from shards.format import RunHeader
 from shards.run import Location, as_location
 
@@ -80,10 +80,10 @@ def code_version() -> dict:
     """``{package, version, git}``: capture's version and, when it runs from a git checkout, ``git`` =
     ``{commit, dirty}`` (dirty: tracked files differ from the commit, or untracked files not ignored);
     ``git`` is None for an installed package or without git."""
-    import capture
+    from importlib.metadata import version
 
-    src = Path(capture.__file__).resolve().parents[1]
-    return {"package": "capture", "version": capture.__version__, "git": _git(src)}
+    src = Path(__file__).resolve().parents[1]  # the checkout (or site-packages) holding capture/ and provenance/
+    return {"package": "capture", "version": version("capture"), "git": _git(src)}
 
 
 def _git(src: Path) -> dict | None:

@@ -4,7 +4,7 @@ Each reference row is normalized and tokenized exactly as the run did (the run's
 from the shard header, its tokenizer, system prompt, special-text policy, alternation and template
 kwargs), then reduced to 64-bit keys; no token sequence is kept. A key is the first 8 bytes (big-endian)
 of the SHA-256 of the little-endian int32 token bytes, so a whole row's key is the first 16 hex digits of
-its ``token_sha256`` (:func:`capture.hashing.token_sha256`, the shard column).
+its ``token_sha256`` (:func:`common.hashing.token_sha256`, the shard column).
 
 Two tables, each a pair of numpy arrays sorted by key:
 
@@ -119,7 +119,7 @@ def build(ref: DatasetRef, encoder: ChatEncoder, *, alternation: str = "normaliz
     by their reason (:func:`capture.data.iter_conversations`'s reasons, ``special_token_text``, or
     ``template_error`` when the chat template cannot render the row). Raises CaptureError when the
     reference cannot be read."""
-    from capture.errors import CaptureError
+    from common.errors import CaptureError
 
     stats = ReadStats()
     extra = sorted(set(truncation_lengths))

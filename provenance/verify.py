@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from capture.errors import CaptureError
-from capture.hashing import text_sha256
+from common.errors import CaptureError
+from common.hashing import text_sha256
 from provenance.record import read
 from shards import manifest as manifest_mod
 from shards.run import MANIFEST, FileMismatch, Location, as_location, check_file

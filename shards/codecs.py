@@ -49,7 +49,7 @@ import torch
 import xxhash
 import zstandard
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 
 DEFAULT = "bf16-split"
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn

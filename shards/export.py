@@ -52,7 +52,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from shards.format import FINAL, tap_column, tap_layer
 from shards.run import Location, as_location
 from shards.stream import ShardStream

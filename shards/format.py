@@ -62,7 +62,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from shards import codecs
 from shards import topk as topk_mod
 

@@ -40,7 +40,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import torch
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from shards import codecs
 from shards import manifest as manifest_mod
 from shards.format import FINAL, FormatError, RunHeader, read_header, tap_column

@@ -30,7 +30,7 @@ import json
 import logging
 import os
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from shards.format import FormatError, RunHeader
 from shards.run import MANIFEST, MANIFEST_DIR, Location, ManifestLog, as_location
 from shards.writer import ShardInfo

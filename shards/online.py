@@ -44,7 +44,7 @@ from typing import Iterator, Sequence
 import pyarrow as pa
 from torch.utils.data import IterableDataset
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from shards.format import RunHeader
 from shards.run import Location, as_location
 from shards.stream import row_sample

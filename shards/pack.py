@@ -23,7 +23,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 
 OVERSIZE = ("alone", "truncate", "error")
 TOKEN_KEYS = ("input_ids", "loss_mask", "argmax", "taps", "final", "topk_ids", "topk_logprobs")  # per-token, first dim T

@@ -26,7 +26,7 @@ import pyarrow as pa
 from ray.data import Dataset, Datasource, ReadTask, read_datasource
 from ray.data.block import BlockMetadata
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from shards import manifest as manifest_mod
 from shards.format import RunHeader
 from shards.run import Location, as_location

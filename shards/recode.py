@@ -18,7 +18,7 @@ import logging
 import os
 import time
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from shards import codecs
 from shards import manifest as manifest_mod
 from shards.format import FORMAT_VERSION, schema

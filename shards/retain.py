@@ -36,7 +36,7 @@ import logging
 import time
 from typing import Callable
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from shards import manifest as manifest_mod
 from shards.run import Location
 

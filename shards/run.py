@@ -46,7 +46,7 @@ import pyarrow.fs as pafs
 from fsspec.implementations.local import LocalFileOpener
 from fsspec.implementations.local import LocalFileSystem as FsspecLocalFS
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from shards.format import FormatError, read_ipc
 
 log = logging.getLogger(__name__)

@@ -87,7 +87,7 @@ import pyarrow as pa
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from shards import manifest as manifest_mod
 from shards import retain
 from shards.format import FINAL, RunHeader, tap_column

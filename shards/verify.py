@@ -22,8 +22,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import zstandard
 
-from capture.errors import CaptureError
-from capture.hashing import token_sha256
+from common.errors import CaptureError
+from common.hashing import token_sha256
 from shards import manifest as manifest_mod
 from shards.format import FormatError, RunHeader, read_header
 from shards import topk as topk_mod

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 import cli
 from capture.chat import Prompt, Tokenized
 from capture.data import Conversation, ReadStats, iter_conversations, resolve_dataset
-from capture.hashing import token_sha256
+from common.hashing import token_sha256
 from shards import format as shard_format
 from shards.format import RunHeader
 from shards.manifest import ManifestWriter

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from capture import online  # noqa: E402
 from capture.config import from_mapping  # noqa: E402
-from capture.errors import CaptureError  # noqa: E402
+from common.errors import CaptureError  # noqa: E402
 from shards.online import attach  # noqa: E402
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from capture.data import Conversation, ReadStats, iter_conversations, resolve_dataset
 from capture.chat import Tokenized
-from capture.hashing import token_sha256
+from common.hashing import token_sha256
 from conftest import capture_cli
 from provenance.audit import audit, greedy_counts, markdown
 from shards import format as shard_format

@@ -11,7 +11,7 @@ import shutil
 import pytest
 from helpers import make_rows, write_run
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from conftest import capture_cli, capture_inproc
 from shards import manifest as manifest_mod
 from shards.run import MANIFEST, MANIFEST_DIR, OBJSTORE_SCHEME, resolve

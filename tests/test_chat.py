@@ -6,7 +6,7 @@ from helpers import multi_turn
 
 from capture.chat import ChatEncoder
 from capture.data import Conversation
-from capture.errors import CaptureError
+from common.errors import CaptureError
 
 
 def spans(mask: np.ndarray) -> list[tuple[int, int]]:

@@ -175,7 +175,7 @@ def test_int4_packs_two_codes_a_byte_from_format_1_5_with_the_same_bits(real_sta
 
 
 def test_codec_refuses_a_dtype_it_cannot_store():
-    from capture.errors import CaptureError
+    from common.errors import CaptureError
 
     with pytest.raises(CaptureError, match="codec bf16-m3 stores bfloat16 states, not float16"):
         codecs.check("bf16-m3", "float16")
@@ -184,7 +184,7 @@ def test_codec_refuses_a_dtype_it_cannot_store():
 
 def test_recode_round_trip(tmp_path, real_states):
     """A bf16-split run → fp8-e4m3 → bf16: ids unchanged, states within FP8 error, then bit-exact copies."""
-    from capture.hashing import token_sha256
+    from common.hashing import token_sha256
     from conftest import capture_inproc
     from shards import format as shard_format
     from shards.manifest import ManifestWriter
@@ -234,7 +234,7 @@ def test_recode_between_every_pair_keeps_rows_ids_and_masks(tmp_path, real_state
     """Each codec's copy of a 2-row run of real states, recoded into every other codec: sample ids, token
     ids, loss masks and hashes equal the source's; the states equal the source copy's decoded states
     bit for bit when the target is lossless, within the target's bound otherwise; verify passes."""
-    from capture.hashing import token_sha256
+    from common.hashing import token_sha256
     from shards import format as shard_format
     from shards.manifest import ManifestWriter
     from shards.reader import iter_rows

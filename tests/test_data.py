@@ -18,7 +18,7 @@ from capture.data import (
     iter_conversations,
     resolve_dataset,
 )
-from capture.errors import CaptureError
+from common.errors import CaptureError
 
 SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "open-perfectblend-sample.jsonl"
 

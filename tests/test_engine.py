@@ -86,7 +86,7 @@ def test_pre_norm_final_and_early_stop(smol_dir, records, reference):
 def test_replica_writes_every_row_once_across_units_and_finishes(smol_dir, records, tmp_path):
     """The writer thread: rows of several units, closed shards handed back once each, usable after finish."""
     from capture.chat import Tokenized
-    from capture.hashing import token_sha256
+    from common.hashing import token_sha256
     from capture.replica import Replica
     from shards import format as shard_format
     from shards.reader import read_table
@@ -245,7 +245,7 @@ def test_device_choice_for_the_hf_engine(smol_dir, tmp_path):
     device. On this CPU machine auto runs on the CPU."""
     from capture.driver import replica_gpus
     from capture.engines import EngineSpec, engine_spec, resolve_device
-    from capture.errors import CaptureError
+    from common.errors import CaptureError
     from conftest import capture_inproc
 
     assert resolve_device("auto", cuda_available=False) == "cpu"

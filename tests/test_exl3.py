@@ -54,7 +54,7 @@ def test_exl3_block_indices_and_header():
 
 
 def test_glm_presets():
-    from capture.errors import CaptureError
+    from common.errors import CaptureError
     from capture.targets import PRESETS, make_taps
 
     glm, flash = PRESETS["glm-5.3"], PRESETS["glm-5.3-flash"]
@@ -160,7 +160,7 @@ def test_exl3_run_header_stores_fp16(tmp_path, monkeypatch):
     engine starts); regenerate mode is refused."""
     from capture.config import RunConfig
     from capture.driver import prepare
-    from capture.errors import CaptureError
+    from common.errors import CaptureError
 
     model_dir = build_fixture("glm_moe_dsa", tmp_path / "m", layers=3)
     monkeypatch.setattr("capture.engines.exl3.check_exl3", lambda: None)

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 import cli
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from shards import format as shard_format
 from shards import manifest as manifest_mod
 from shards.export import export

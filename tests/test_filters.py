@@ -11,8 +11,8 @@ import pytest
 from helpers import make_prompt, make_record
 
 import filters.length
-from capture.errors import CaptureError
-from capture.hashing import token_sha256
+from common.errors import CaptureError
+from common.hashing import token_sha256
 from filters import FilterConfig, apply_filters, filter_prompt
 
 # The reasons in the order apply_filters checks them (the module docstring's table, top to bottom).

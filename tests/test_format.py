@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 from helpers import HEADER, SCHEMA, hand_written_shard, make_header
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from shards import format as shard_format
 from shards.format import FormatError
 from shards.reader import read_table

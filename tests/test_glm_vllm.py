@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(torch.cuda.is_available(), re
 
 def _start(model_dir: str, path: str = "hooks") -> str:
     from capture.engines.vllm import VLLMEngine
-    from capture.errors import CaptureError
+    from common.errors import CaptureError
     from capture.targets import make_taps, resolve_target
 
     try:
@@ -91,7 +91,7 @@ def test_vllm_path_choice_against_the_installed_model_classes(tmp_path):
     from vllm.model_executor.models import ModelRegistry
 
     from capture.engines import engine_spec, vllm_paths
-    from capture.errors import CaptureError
+    from common.errors import CaptureError
 
     llama = ModelRegistry.models["LlamaForCausalLM"].load_model_cls()
     generic = ModelRegistry.models["GlmMoeDsaForCausalLM"].load_model_cls()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import bits
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from shards import manifest as manifest_mod
 from shards.format import FormatError
 from shards.hf import Decoder, decoder, hf_dataset, run_header

@@ -39,13 +39,13 @@ def loaded() -> dict[str, set[str]]:
 @pytest.mark.parametrize("statement", SHARD_LAYER)
 def test_the_shard_layer_loads_no_front_end(loaded, statement):
     assert not loaded[statement] & set(FRONT_END), sorted(loaded[statement] & set(FRONT_END))
-    assert "shards.run" in loaded[statement] and "capture.errors" in loaded[statement]  # the shared leaf modules, nothing more
+    assert "shards.run" in loaded[statement] and "common.errors" in loaded[statement]  # the shared leaf modules, nothing more
 
 
 def test_filters_load_only_leaf_modules(loaded):
-    assert {m for m in loaded["import filters"] if m.startswith("capture")} <= {"capture", "capture.errors",
-                                                                              "capture.hashing", "capture.records"}
-    assert "capture.records" in loaded["import filters"]  # the record types filters take
+    assert {m for m in loaded["import filters"] if m.startswith("capture")} <= {"capture", "common.errors",
+                                                                              "common.hashing", "common.records"}
+    assert "common.records" in loaded["import filters"]  # the record types filters take
     assert "yaml" not in loaded["import filters"] and "torch" not in loaded["import filters"]
 
 

@@ -11,7 +11,7 @@ import json
 import pytest
 from helpers import BIG, HEADER, SCHEMA, make_header, make_rows, manifest_lines, rewrite_manifest, write_run
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from shards import format as shard_format
 from shards import manifest as manifest_mod
 from shards.manifest import ManifestWriter

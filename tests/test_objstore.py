@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import HEADER, make_header, make_rows, write_run
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from conftest import capture_cli
 from shards import manifest as manifest_mod
 from shards import run as run_mod

@@ -86,7 +86,7 @@ def test_online_rows_equal_an_offline_run_bit_for_bit(tmp_path, sample_jsonl, ta
     rows0, end = lines_of(stdout0)
     rows1 = [json.loads(x) for x in stdout1.splitlines() if x.startswith('{"id"')]
     refused = [json.loads(x)["fork_refused"] for x in stdout0.splitlines() if x.startswith('{"fork_refused"')]
-    assert refused == ["capture.errors.CaptureError: a DataLoader worker forked from a process connected to Ray "
+    assert refused == ["common.errors.CaptureError: a DataLoader worker forked from a process connected to Ray "
                        "cannot use that connection: pass multiprocessing_context='spawn' to the DataLoader"]
     assert rows0 and rows1
     assert sorted(r["id"] for r in rows0 + rows1) == all_ids()  # each row to one rank, once
@@ -185,7 +185,7 @@ def test_attach_refuses_in_one_line(tmp_path, reader_run):
     """attach without a running capture, for a rank the run does not serve, or with the endpoint of a run
     whose Ray cluster is gone (a port nobody listens on: answered at once, not after Ray's retries): a
     one-line CaptureError."""
-    from capture.errors import CaptureError
+    from common.errors import CaptureError
     from shards.online import ENDPOINT, attach
 
     with pytest.raises(CaptureError, match=r"no online-endpoint.json in .*start the capture .* first \(waited 0 s\)"):

@@ -14,7 +14,7 @@ import pytest
 import ray
 import ray.cloudpickle
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from capture.pool import LocalActor, LocalCalls, ReplicaPool
 from capture.progress import Progress, feed
 from capture.replica import UnitResult

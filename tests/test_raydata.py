@@ -4,7 +4,7 @@ import pytest
 import ray
 import torch
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from shards import manifest as manifest_mod
 from shards.raydata import read_run, samples
 from shards.stream import ShardStream

@@ -13,7 +13,7 @@ import threading
 import pytest
 from helpers import make_rows, write_run
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from conftest import REPO
 from shards import manifest as manifest_mod
 from shards import retain

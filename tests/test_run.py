@@ -129,7 +129,7 @@ def test_sigkill_mid_run_then_rerun_is_exactly_once(tmp_path):
     assert len(ids) == plan["kept"] and s["already_committed"] == sum(sh["rows"] for sh in killed.shards)
     after = {sh["path"]: sh["sha256"] for sh in manifest.read(out).shards}
     assert all(after[p] == sha for p, sha in before.items())
-    from capture.hashing import sha256_file
+    from common.hashing import sha256_file
 
     assert all(sha256_file(out / p) == sha for p, sha in before.items())
     assert manifest.read(out).complete

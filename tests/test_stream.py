@@ -17,7 +17,7 @@ import torch
 from helpers import bits, real_rows
 from torch.utils.data import DataLoader
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from shards import format as shard_format
 from shards import manifest as manifest_mod
 from shards import run as run_mod

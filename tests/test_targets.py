@@ -1,6 +1,6 @@
 import pytest
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from capture.targets import PRESETS, make_taps, parse_layers, resolve_target
 
 

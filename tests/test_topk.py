@@ -327,7 +327,7 @@ def test_rows_round_trip_any_values_and_refuse_wrong_shapes():
 def test_write_time_validation():
     """to_row: NaN or +inf top-K log-probabilities reject the record (``nonfinite_topk``); -inf (a
     probability of 0) is kept; a top-K array of the wrong shape is an engine bug (RuntimeError)."""
-    from capture.records import Tokenized
+    from common.records import Tokenized
     from capture.replica import to_row
 
     ids = np.arange(5, dtype=np.int32)

@@ -18,7 +18,7 @@ from conftest import small_disk
 from helpers import (BIG, COLUMNS, H, HEADER, REGENERATED, SCHEMA, assert_row_equal, bits, invoke, make_header,
                      make_row, make_rows, write_run)
 
-from capture.hashing import token_sha256
+from common.hashing import token_sha256
 from shards import format as shard_format
 from shards import manifest as manifest_mod
 from shards.manifest import ManifestWriter

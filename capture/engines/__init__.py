@@ -15,7 +15,7 @@ import importlib.util
 import logging
 from typing import Any
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from capture.targets import Taps
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from typing import Sequence
 import numpy as np
 
 from capture.engines.base import Capabilities, Captured, Generated, Sampling
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from capture.targets import Taps
 from shards.format import tap_column
 

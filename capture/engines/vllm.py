@@ -57,7 +57,7 @@ import torch
 
 from capture.engines import vllm_paths
 from capture.engines.base import Capabilities, Captured, Generated, Sampling
-from capture.errors import CaptureError
+from common.errors import CaptureError
 from capture.targets import Taps
 from shards.format import tap_column
 

@@ -29,7 +29,7 @@ import inspect
 import re
 import sys
 
-from capture.errors import CaptureError
+from common.errors import CaptureError
 
 PATHS = ("auto", "extract", "hooks")
 

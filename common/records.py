@@ -1,6 +1,6 @@
 """The record types every stage passes along: a tokenized conversation and a prompt to regenerate.
 
-A leaf module (numpy and :mod:`capture.hashing` only): :mod:`capture.chat` makes these records,
+A leaf module (numpy and :mod:`common.hashing` only): :mod:`capture.chat` makes these records,
 :mod:`filters` drops or truncates them, a replica (:mod:`capture.replica`) prefills them and the shard
 writer stores them as :class:`shards.rows.Row`. Nothing here imports the pipeline.
 """
@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 
-from capture.hashing import token_sha256
+from common.hashing import token_sha256
 
 
 @dataclasses.dataclass(frozen=True)
