@@ -55,6 +55,9 @@ def _scope(nodeid: str) -> str:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
+    """For ``-n N`` alone (xdist's ``load``) and ``--dist loadfile``; any other ``--dist`` keeps xdist's own."""
+    if config.getoption("dist") not in ("load", "loadfile"):
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     class FileScopes(LoadScopeScheduling):
@@ -64,7 +67,7 @@ def pytest_xdist_make_scheduler(config, log):
     return FileScopes(config, log)
 
 
-def pytest_collection_modifyitems(config, items) -> None:
+def pytest_collection_modifyitems(items) -> None:
     for item in items:
         for fixture, lane in FIXTURE_LANES.items():
             if fixture in getattr(item, "fixturenames", ()):
