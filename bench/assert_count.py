@@ -13,9 +13,8 @@ import argparse
 import ast
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import REPO
 
 
 def count(source: str) -> tuple[int, int]:

@@ -15,11 +15,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import REPO, capture_run, header, workdir
+
 SAMPLE = REPO.parent / "shared" / "data" / "open-perfectblend-sample.jsonl"
 OPEN_PERFECTBLEND_ROWS = 1_420_000
 
@@ -57,11 +57,11 @@ def child(code: str) -> tuple[float, int, subprocess.CompletedProcess]:
 
 
 def main() -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="audit-bench-"))
+    header()
+    tmp = workdir("audit-bench-")
     run_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else tmp / "run"
     if len(sys.argv) <= 1:
-        subprocess.run([sys.executable, "-m", "cli", "run", "--dataset", "sharegpt", "--layers", "3", "--limit", "60",
-                        "--out", str(run_dir), "--no-progress"], check=True, cwd=REPO, capture_output=True)
+        capture_run("--dataset", "sharegpt", "--layers", "3", "--limit", "60", "--out", run_dir, "--no-progress")
     ref = tmp / "reference.jsonl"
     rows = reference(ref)
     print(f"reference: {rows:,} rows ({ref.stat().st_size / 2**20:,.0f} MiB JSON lines); run: {run_dir}; "

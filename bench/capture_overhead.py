@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
-import time
-from pathlib import Path
 
 import numpy as np
 import torch
+
+from harness import encoded, header, interleaved, smollm2, workdir
 
 
 def main() -> None:
@@ -33,35 +32,34 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--codec", default="bf16-split")
     args = ap.parse_args()
+    header()
 
     from capture.chat import load_encoder, tokenizer_sha256
-    from capture.data import ReadStats, iter_conversations, resolve_dataset
     from capture.replica import Replica
-    from capture.targets import PRESETS, make_taps, model_dir
+    from capture.targets import PRESETS, make_taps
     from filters import FilterConfig, apply_filters
     from shards import format as shard_format
 
     target = PRESETS["smollm2-135m"]
     taps = make_taps(target, tuple(int(k) for k in args.layers.split(",")), "none")
-    mdir = model_dir(target)
+    mdir = smollm2()
     enc = load_encoder(str(mdir))
     filt = FilterConfig(max_tokens=args.max_tokens, overlength="truncate")
     recs = []
-    for conv in iter_conversations(resolve_dataset("sharegpt"), ReadStats()):
-        rec = enc.encode(conv, enc.special_strings())
+    for _, rec in encoded(mdir, specials=True):
         if not isinstance(rec, str) and (rec := apply_filters(rec, filt, set())[0]) is not None:
             recs.append(rec)
         if len(recs) == args.rows:
             break
     tokens = sum(r.num_tokens for r in recs)
-    header = shard_format.header(
+    shard_header = shard_format.header(
         target={"name": target.name}, taps=taps.describe(), columns=list(taps.columns),
         hidden_size=target.hidden_size, dtype="bfloat16", codec=args.codec, argmax=True,
         chat_template=enc.template, chat_template_sha256=enc.template_sha256,
         tokenizer_sha256=tokenizer_sha256(enc.tokenizer))
     threads = torch.get_num_threads()
-    out = Path(tempfile.mkdtemp(prefix="capture-bench-"))
-    replica = Replica(str(mdir), taps, header, str(out), shard_size=64 * 2**20, batch_tokens=args.batch_tokens,
+    out = workdir("capture-bench-")
+    replica = Replica(str(mdir), taps, shard_header, str(out), shard_size=64 * 2**20, batch_tokens=args.batch_tokens,
                       threads=threads)
     replica.start()
     model = replica.engine.model
@@ -76,13 +74,8 @@ def main() -> None:
         replica.process(recs)
         replica.finish()
 
-    times = {"plain": [], "capture": []}
     plain()  # warm-up
-    for _ in range(args.repeats):
-        for name, fn in (("plain", plain), ("capture", capture)):
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
+    times, _ = interleaved({"plain": plain, "capture": capture}, args.repeats)
     shard_bytes = sum(p.stat().st_size for p in out.glob("shard-*.arrow"))
     raw_state = tokens * len(taps.columns) * target.hidden_size * 2
     p, c = statistics.median(times["plain"]), statistics.median(times["capture"])

@@ -17,6 +17,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from harness import encoded, header, interleaved, smollm2, smollm2_taps
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -24,21 +26,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--passes", type=int, default=3)
     args = ap.parse_args()
+    header()
     torch.set_num_threads(1)
 
-    from capture.chat import load_encoder
-    from capture.data import ReadStats, iter_conversations, resolve_dataset
     from capture.engines.hf import HFEngine
-    from capture.targets import PRESETS, make_taps, model_dir
     from shards import codecs
     from shards.format import FORMAT_VERSION
 
-    mdir = model_dir(PRESETS["smollm2-135m"])
-    enc = load_encoder(str(mdir))
-    engine = HFEngine(str(mdir), make_taps(PRESETS["smollm2-135m"], (3, 15, 27), "none"), argmax=False, threads=2)
+    mdir = smollm2()
+    engine = HFEngine(str(mdir), smollm2_taps((3, 15, 27)), argmax=False, threads=2)
     states, tokens = [], 0
-    for conv in iter_conversations(resolve_dataset("sharegpt"), ReadStats()):
-        rec = enc.encode(conv, enc.special_strings())
+    for _, rec in encoded(mdir, specials=True):
         if isinstance(rec, str):
             continue
         cap = engine.forward([rec.input_ids[: args.max_tokens]])[0]
@@ -127,13 +125,12 @@ def cell_checks(states: list, passes: int) -> None:
     cell_bytes = sum(len(c) for c in cells)
     speeds = {}
     for name, fn in (("crc32 (zlib, format 1.3)", zlib.crc32), ("xxh3_64 (xxhash, format 1.4)", xxhash.xxh3_64_intdigest)):
-        runs = []
-        for _ in range(passes):
-            t = time.perf_counter()
+        def check_all() -> None:
             for c in cells:
                 fn(c)
-            runs.append(time.perf_counter() - t)
-        speeds[name] = cell_bytes / 1e9 / statistics.median(runs)
+
+        runs, _ = interleaved({name: check_all}, passes)
+        speeds[name] = cell_bytes / 1e9 / statistics.median(runs[name])
     print("\ncell checks over the bf16-split cells (GB/s of cell, one thread): "
           + ", ".join(f"{k} {v:,.1f}" for k, v in speeds.items()))
 
@@ -152,13 +149,12 @@ def zstd_contexts(states: list, passes: int) -> None:
     raw = sum(2 * n for _, n in frames)
     speeds = {}
     for name, get in (("a fresh context per cell", zstandard.ZstdDecompressor), ("one per thread", codecs.decompressor)):
-        runs = []
-        for _ in range(passes):
-            t = time.perf_counter()
+        def decompress_all() -> None:
             for frame, n in frames:
                 get().decompress(frame, max_output_size=n)
-            runs.append(time.perf_counter() - t)
-        speeds[name] = raw / 1e6 / statistics.median(runs)
+
+        runs, _ = interleaved({name: decompress_all}, passes)
+        speeds[name] = raw / 1e6 / statistics.median(runs[name])
     print("zstd part of a bf16-split decode (MB/s of bf16, one thread): "
           + ", ".join(f"{k} {v:,.0f}" for k, v in speeds.items()))
 

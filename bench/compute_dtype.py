@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
-import time
 
 import torch
+
+from harness import encoded, header, interleaved, smollm2, smollm2_taps, torch_cpu
 
 
 def main() -> None:
@@ -24,29 +25,24 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    header()
     torch.set_num_threads(1)
 
-    from capture.chat import load_encoder
-    from capture.data import ReadStats, iter_conversations, resolve_dataset
-    from capture.engines.hf import HFEngine, compute_dtype, cpu_features
-    from capture.targets import PRESETS, make_taps, model_dir
+    from capture.engines.hf import HFEngine, compute_dtype
 
-    target = PRESETS["smollm2-135m"]
-    mdir = str(model_dir(target))
-    encoder = load_encoder(mdir)
-    convs = iter_conversations(resolve_dataset("sharegpt"), ReadStats())
-    records = [r.input_ids[: args.max_tokens] for r in (encoder.encode(c) for c in itertools.islice(convs, 4 * args.rows))
+    mdir = str(smollm2())
+    records = [r.input_ids[: args.max_tokens] for _, r in itertools.islice(encoded(mdir), 4 * args.rows)
                if not isinstance(r, str)][: args.rows]
     tokens = sum(len(r) for r in records)
-    taps = make_taps(target, (3, 15, 27), "post-norm")
+    taps = smollm2_taps((3, 15, 27), "post-norm")
     engines = {d: HFEngine(mdir, taps, dtype=d, state_dtype="bfloat16") for d in ("bfloat16", "float32")}
-    rates: dict[str, list[float]] = {d: [] for d in engines}
-    for _ in range(args.repeats):
-        for d, eng in engines.items():
-            t0 = time.process_time()
-            for ids in records:
-                eng.forward([ids])
-            rates[d].append(tokens / (time.process_time() - t0))
+
+    def forwards(eng) -> None:
+        for ids in records:
+            eng.forward([ids])
+
+    _, cpu = interleaved({d: lambda eng=eng: forwards(eng) for d, eng in engines.items()}, args.repeats)
+    rates = {d: [tokens / s for s in secs] for d, secs in cpu.items()}
 
     ref = HFEngine(mdir, taps, dtype="float32")  # float32 states: the reference both are compared with
     cos: dict[str, list[torch.Tensor]] = {d: [] for d in engines}
@@ -56,10 +52,7 @@ def main() -> None:
             got = eng.forward([ids])[0].states
             cos[d] += [torch.nn.functional.cosine_similarity(got[c].float(), want[c], dim=-1) for c in want]
 
-    flags = cpu_features() or set()
-    native = sorted(flags & {"avx512_bf16", "amx_bf16", "avx512f", "avx2"})
-    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__} dispatching "
-          f"{torch.backends.cpu.get_cpu_capability()}; CPU flags {', '.join(native)}; one thread")
+    print(f"# {torch_cpu()}; one thread")
     print(f"# {len(records)} ShareGPT conversations, {tokens:,} tokens (<= {args.max_tokens} each), one per forward; "
           f"median of {args.repeats} interleaved repeats")
     print(f"# --dtype auto here: {compute_dtype('auto', 'bfloat16')}\n")

@@ -5,12 +5,14 @@ each codec's ratio measured on real SmolLM2 states (shards.codecs.RATIO, see sha
     python bench/disk_model.py
 """
 
+from harness import header
 from capture.targets import PRESETS
 from shards import codecs
 
 TOKENS = 1_000_000 * 1_600
 IDS_MASK_ARGMAX = 4 + 1 + 4  # bytes per token outside the states (mask bits are padded to a byte here)
 
+header()
 print(f"per 1M conversations x 1,600 tokens = {TOKENS / 1e9:.1f}G tokens (TB = 1e12 B)")
 for name in ("glm-5.3", "glm-5.3-flash"):
     t = PRESETS[name]

@@ -20,9 +20,8 @@ import itertools
 import json
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness import encoded, header
 
 
 def main() -> int:
@@ -50,21 +49,18 @@ def main() -> int:
 
 
 def run(args) -> int:
+    header()
     import numpy as np
     import torch
 
-    from capture.chat import load_encoder
-    from capture.data import ReadStats, iter_conversations, resolve_dataset
     from capture.engines.exl3 import FP16_CLAMP, EXL3Engine
     from capture.engines.hf import HFEngine
     from capture.targets import make_taps, parse_layers, resolve_target
 
     target = resolve_target(args.hf)
     taps = make_taps(target, parse_layers(args.layers), args.final)
-    enc = load_encoder(args.hf)
     records = []
-    for conv in iter_conversations(resolve_dataset(args.dataset), ReadStats()):
-        r = enc.encode(conv, enc.special_strings())
+    for _, r in encoded(args.hf, args.dataset, specials=True):
         if not isinstance(r, str) and r.num_tokens <= args.max_tokens:
             records.append(r.input_ids)
         if len(records) == args.limit:

@@ -23,24 +23,18 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from harness import capture_run, header, smollm2, workdir
 
 
 def capture(out: Path, final: str, limit: int) -> str:
-    cmd = [sys.executable, "-m", "cli", "run", "--target", "smollm2-135m", "--dataset", "sharegpt", "--limit",
-           str(limit), "--layers", "3,15,27", "--final", final, "--max-tokens", "1024", "--overlength", "truncate",
-           "--out", str(out), "--no-progress"]
-    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
-    return " ".join(["capture", *cmd[3:]])
+    return capture_run("--target", "smollm2-135m", "--dataset", "sharegpt", "--limit", str(limit), "--layers",
+                       "3,15,27", "--final", final, "--max-tokens", "1024", "--overlength", "truncate", "--out",
+                       str(out), "--no-progress")[1]
 
 
 def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
@@ -53,6 +47,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=60)
     args = ap.parse_args()
+    header()
 
     from safetensors import safe_open
     from specforge.data.preprocessing import process_offline_eagle3_sample
@@ -61,12 +56,11 @@ def main() -> None:
     from speculators.train.data import ArrowDataset
     from transformers import AutoConfig
 
-    from capture.targets import PRESETS, model_dir
     from shards.export import export
     from shards.stream import ShardStream
 
-    smol = model_dir(PRESETS["smollm2-135m"])
-    tmp = Path(tempfile.mkdtemp(prefix="export-teachers-"))
+    smol = smollm2()
+    tmp = workdir("export-teachers-")
     t0 = time.time()
     cmds = [capture(tmp / "pre", "pre-norm", args.limit), capture(tmp / "post", "post-norm", args.limit)]
     print(f"# export teachers, SmolLM2-135M, ShareGPT first {args.limit} rows ({time.time() - t0:.0f} s to capture)")

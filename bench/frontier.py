@@ -25,15 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-import self_distill  # noqa: E402  (bench/self_distill.py: the capture commands and the held-out set)
+import self_distill  # bench/self_distill.py: the capture commands and the held-out set
+from harness import REPO, header, mean_range, pyplot, save_plot
 
 # bench-only probes below int4, to find where quality breaks (never offered by --codec): the same block
 # layout with integer codes in [-3, 3] (~0.17x) and ternary codes {-1, 0, 1} (~0.10x); and the control
@@ -159,6 +155,7 @@ def main() -> None:
     ap.add_argument("--anchors-per-step", type=int, default=256)
     ap.add_argument("--plot", type=Path, default=REPO / "bench" / "frontier.png")
     args = ap.parse_args()
+    header()
     args.work.mkdir(parents=True, exist_ok=True)
 
     import torch
@@ -168,8 +165,7 @@ def main() -> None:
     from shards import codecs
 
     register_probes()
-    print(f"# codec frontier, SmolLM2-135M, 2-core CPU ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}); "
-          f"torch threads {torch.get_num_threads()}\n")
+    print(f"# codec frontier, SmolLM2-135M, 2-core CPU; torch threads {torch.get_num_threads()}\n")
     print("## Captures")
     for name, cmd in (("held-every", None), ("train-dataset", TRAIN)):
         s = self_distill.capture(args.work, name, cmd)
@@ -207,10 +203,6 @@ def main() -> None:
     report(sizes, fidelity, results, args.plot)
 
 
-def _fmt(values: list[float]) -> str:
-    return f"{statistics.mean(values):.3f} ({min(values):.3f}-{max(values):.3f})"
-
-
 def report(sizes: dict, fidelity: dict, results: dict[str, list[dict]], plot: Path) -> None:
     from shards import codecs
 
@@ -236,9 +228,10 @@ def report(sizes: dict, fidelity: dict, results: dict[str, list[dict]], plot: Pa
     print("|---|---|---|---|---|---|")
     for c, runs in results.items():
         stored, raw = sizes[c]
-        print(f"| {c} | {stored / raw:.3f}x | {_fmt([r['drafter']['accept_len'] for r in runs])} "
-              f"| {_fmt([r['drafter']['first_token_acc'] for r in runs])} "
-              f"| {_fmt([r['drafter']['position_acc'][1] for r in runs])} | {_fmt([r['seconds'] for r in runs])} |")
+        print(f"| {c} | {stored / raw:.3f}x | {mean_range([r['drafter']['accept_len'] for r in runs])} "
+              f"| {mean_range([r['drafter']['first_token_acc'] for r in runs])} "
+              f"| {mean_range([r['drafter']['position_acc'][1] for r in runs])} "
+              f"| {mean_range([r['seconds'] for r in runs])} |")
     lossless = results.get("bf16-split")
     if lossless:
         lo, hi = min(r["drafter"]["accept_len"] for r in lossless), max(r["drafter"]["accept_len"] for r in lossless)
@@ -251,13 +244,7 @@ def report(sizes: dict, fidelity: dict, results: dict[str, list[dict]], plot: Pa
             where = "inside" if lo <= m <= hi else "above" if m > hi else "below"
             print(f"- {c} ({sizes[c][0] / sizes[c][1]:.3f}x): mean {m:.4f}, {m / ref - 1:+.2%} vs lossless; "
                   f"{where} the lossless seed range")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
+    if (plt := pyplot()) is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (c, runs) in enumerate(sorted(results.items(), key=lambda kv: sizes[kv[0]][0] / sizes[kv[0]][1])):
@@ -272,9 +259,7 @@ def report(sizes: dict, fidelity: dict, results: dict[str, list[dict]], plot: Pa
     ax.set(xlabel="state bytes per token / raw bf16", ylabel="accept_len, on-policy held-out (3 seeds)",
            title="codec frontier: SmolLM2-135M drafter, 258k training tokens")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(plot, dpi=110)
-    print(f"\nplot: {plot.relative_to(REPO) if plot.is_relative_to(REPO) else plot}")
+    save_plot(fig, plot)
 
 
 if __name__ == "__main__":

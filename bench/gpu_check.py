@@ -24,15 +24,15 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+from harness import REPO, encoded, interleaved, workdir
+
+sys.path.insert(0, str(REPO / "tests"))  # glm_fixtures
 
 
 def llama_folder(out: Path) -> Path:
@@ -96,14 +96,10 @@ def throughput(folder: Path, data: Path, device: str, passes: int = 3) -> None:
     """Capture engine vs plain forward, tokens/s on ``device`` (module docstring)."""
     from transformers import AutoModelForCausalLM
 
-    from capture.chat import load_encoder
-    from capture.data import ReadStats, iter_conversations, resolve_dataset
     from capture.engines.hf import HFEngine
     from capture.targets import make_taps, resolve_target
 
-    enc = load_encoder(str(folder))
-    ids = [r.input_ids for r in (enc.encode(c) for c in iter_conversations(resolve_dataset(str(data)), ReadStats()))
-           if not isinstance(r, str)]
+    ids = [r.input_ids for _, r in encoded(folder, data) if not isinstance(r, str)]
     tokens = sum(len(x) for x in ids)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     engine = HFEngine(str(folder), make_taps(resolve_target(str(folder)), (3, 15, 27), "post-norm"),
@@ -114,21 +110,16 @@ def throughput(folder: Path, data: Path, device: str, passes: int = 3) -> None:
         with torch.inference_mode():
             for x in ids:
                 plain(torch.from_numpy(np.asarray(x, dtype=np.int64))[None].to(device)).logits[0].argmax(-1).cpu()
+        sync()
 
     def run_capture():
         engine.forward(ids[:1])  # one record per forward, as the engine does for every batch
         for x in ids[1:]:
             engine.forward([x])
+        sync()
 
-    times = {"plain forward": [], "capture engine": []}
-    run_plain(), run_capture()  # warm-up: kernels, allocator
-    for _ in range(passes):
-        for name, fn in (("plain forward", run_plain), ("capture engine", run_capture)):
-            sync()
-            t = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - t)
+    run_plain(), run_capture()  # warm-up: kernels, allocator (each ends synchronized)
+    times, _ = interleaved({"plain forward": run_plain, "capture engine": run_capture}, passes)
     rate = {k: tokens / statistics.median(v) for k, v in times.items()}
     print(f"\n## throughput on {device}: {len(ids)} records, {tokens:,} tokens, one record per forward, "
           f"median of {passes} interleaved passes\n")
@@ -148,7 +139,7 @@ def main() -> None:
         sys.exit("gpu_check: no CUDA device visible (torch.cuda.is_available() is False); --device cpu runs it on the CPU")
     from glm_fixtures import build_fixture
 
-    work = args.work or Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    work = workdir("gpu-check-", args.work)
     where = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
     print(f"# gpu_check on {where}: torch {torch.__version__}, work {work}")
     data = conversations(work / "conversations.jsonl", args.conversations)

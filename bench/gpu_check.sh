@@ -8,11 +8,12 @@
 #   bash bench/gpu_check.sh | tee bench/gpu_check.out   # there, from the repository root
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the first line of the recording: the command that reproduces it (bench/harness.py's header, in shell)
+echo "\$ ${PYTHON:+PYTHON=$PYTHON }${DEVICE:+DEVICE=$DEVICE }bash bench/gpu_check.sh${*:+ $*}   # $(date -u '+%Y-%m-%d %H:%M UTC')"
 PY=${PYTHON:-python3}
 if [ -d .whl ]; then
     "$PY" -m pip install -q --no-index --find-links .whl zstandard xxhash ijson jinja2 numba llvmlite 2>&1 | tail -3 || true
 fi
-echo "\$ bash bench/gpu_check.sh   # $(date -u '+%Y-%m-%d %H:%M UTC')"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "(no nvidia-smi)"
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 480 "$PY" -u bench/gpu_check.py --device "${DEVICE:-cuda}" "$@" \
     2> >(grep -v "Loading weights\|Writing model" >&2)

@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -35,11 +33,9 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from shards.pack import pack  # noqa: E402
-from shards.stream import ShardStream  # noqa: E402
+from harness import CLI, REPO, header, plasma_mib
+from shards.pack import pack
+from shards.stream import ShardStream
 
 
 class Sampler(threading.Thread):
@@ -55,10 +51,7 @@ class Sampler(threading.Thread):
         me = psutil.Process()
         while not self.stop.is_set():
             if self.plasma:
-                from ray._private.internal_api import memory_summary
-
-                used = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(stats_only=True))
-                self.peak_plasma_mib = max(self.peak_plasma_mib, int(used.group(1)) if used else 0)
+                self.peak_plasma_mib = max(self.peak_plasma_mib, plasma_mib())
             disk = sum(f.stat().st_size for f in self.folder.glob("*") if f.is_file()) if self.folder.exists() else 0
             self.peak_disk = max(self.peak_disk, disk)
             pss = 0
@@ -95,7 +88,7 @@ def one(mode: str, rows: int, retain: int, work: Path) -> dict:
         stream = run.stream(0, poll_s=0.1, timeout_s=600)
     else:
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in SETTINGS.items()]
-        cmd = [sys.executable, "-m", "cli", "run", "--out", str(out), "--limit", str(rows), *flags, "--json",
+        cmd = [*CLI, "run", "--out", str(out), "--limit", str(rows), *flags, "--json",
                "--no-progress"] + (["--retain", str(retain)] if mode == "tail+retain" else [])
         proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "TQDM_DISABLE": "1"}, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
@@ -145,6 +138,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=48)
     ap.add_argument("--retain", type=int, default=2)
     args = ap.parse_args()
+    header()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("offline", "tail", "tail+retain", "online"):

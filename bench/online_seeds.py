@@ -20,15 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from harness import capture_run, header
 
 SETTINGS = {"target": "smollm2-135m", "dataset": "sharegpt", "limit": 96, "layers": "3,15,27",
             "max_tokens": 512, "overlength": "truncate", "replicas": 2, "cpus_per_replica": 1,
@@ -45,11 +42,7 @@ def capture(args: list[str], out: Path) -> None:
     if out.exists() and manifest.read(out).complete:
         return
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "cli", "run", *args, "--out", str(out)], cwd=REPO,
-                          capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"capture {out} failed:\n{proc.stderr[-3000:]}")
-    s = json.loads(proc.stdout)
+    s, _ = capture_run(*args, "--out", str(out))
     print(f"captured {out.name}: {s['committed_rows']} rows, {s['committed_tokens']:,} tokens in "
           f"{time.time() - t0:.0f} s", flush=True)
 
@@ -63,6 +56,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--anchors-per-step", type=int, default=256)
     args = ap.parse_args()
+    header()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     offline_yaml = work / "offline.yaml"

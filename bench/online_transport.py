@@ -26,7 +26,6 @@ a second, so plasma also holds up to about a second of consumed payloads).
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import threading
 import time
@@ -34,6 +33,8 @@ import time
 import numpy as np
 import psutil
 import ray
+
+from harness import header, plasma_mib
 
 
 @ray.remote(num_cpus=0.5)
@@ -63,11 +64,8 @@ class Plasma(threading.Thread):
         self.interval, self.peak, self.stop = interval, 0, threading.Event()
 
     def run(self) -> None:
-        from ray._private.internal_api import memory_summary
-
         while not self.stop.is_set():
-            used = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(stats_only=True))
-            self.peak = max(self.peak, int(used.group(1)) if used else 0)
+            self.peak = max(self.peak, plasma_mib())
             self.stop.wait(self.interval)
 
 
@@ -146,6 +144,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--free-period-ms", type=int, help="Ray's free_objects_period_milliseconds (default 1000)")
     args = ap.parse_args()
+    header()
     import logging
 
     system = {"free_objects_period_milliseconds": args.free_period_ms} if args.free_period_ms else None

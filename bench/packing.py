@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
-import time
 
 import numpy as np
 import torch
+
+from harness import encoded, header, interleaved, smollm2, torch_cpu
 
 
 def main() -> None:
@@ -30,21 +31,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtypes", default="bfloat16,float32")
     args = ap.parse_args()
+    header()
 
     from transformers import AutoModelForCausalLM
 
-    from capture.chat import load_encoder
-    from capture.data import ReadStats, iter_conversations, resolve_dataset
-    from capture.engines.hf import cpu_features, pack_groups
-    from common.records import Tokenized
+    from capture.engines.hf import pack_groups
     from capture.replica import length_batches
-    from capture.targets import PRESETS, model_dir
+    from common.records import Tokenized
 
-    mdir = str(model_dir(PRESETS["smollm2-135m"]))
-    enc = load_encoder(mdir)
-    convs = iter_conversations(resolve_dataset("sharegpt"), ReadStats())
-    encoded = (enc.encode(c) for c in itertools.islice(convs, args.rows * 2))
-    recs = [r.input_ids[: args.max_tokens] for r in encoded if not isinstance(r, str)][: args.rows]
+    mdir = str(smollm2())
+    recs = [r.input_ids[: args.max_tokens] for _, r in itertools.islice(encoded(mdir), args.rows * 2)
+            if not isinstance(r, str)][: args.rows]
     recs.sort(key=len, reverse=True)
     tokens = sum(map(len, recs))
     as_long = [torch.from_numpy(r.astype(np.int64)) for r in recs]
@@ -72,30 +69,21 @@ def main() -> None:
 
     ways = [("alone", alone), ("padded 8192", lambda m: padded(m, 8192)), ("padded 2048", lambda m: padded(m, 2048))]
     ways += [(f"packed {n}", lambda m, n=n: packed(m, n)) for n in (512, 1024, 2048)]
-    flags = cpu_features() or set()
     print(f"SmolLM2-135M decoder, {len(recs)} ShareGPT conversations, {tokens:,} tokens (<= {args.max_tokens} each, "
-          f"{min(map(len, recs))}-{max(map(len, recs))}), {torch.get_num_threads()} threads, torch "
-          f"{torch.__version__} dispatching {torch.backends.cpu.get_cpu_capability()}"
-          f"{', avx512_bf16' if 'avx512_bf16' in flags else ''}{', amx_bf16' if 'amx_bf16' in flags else ''}; "
+          f"{min(map(len, recs))}-{max(map(len, recs))}), {torch.get_num_threads()} threads, {torch_cpu()}; "
           f"median of {args.repeats} interleaved runs")
     print()
     print("| dtype | way | tokens per CPU-second | tokens/s | vs alone (CPU-s) |")
     print("|---|---|---|---|---|")
     for dtype in args.dtypes.split(","):
         model = AutoModelForCausalLM.from_pretrained(mdir, dtype=getattr(torch, dtype)).eval()
-        cpu: dict[str, list[float]] = {k: [] for k, _ in ways}
-        wall: dict[str, list[float]] = {k: [] for k, _ in ways}
         with torch.inference_mode():
-            for _ in range(args.repeats):
-                for name, fn in ways:
-                    c, w = time.process_time(), time.perf_counter()
-                    fn(model)
-                    cpu[name].append(tokens / (time.process_time() - c))
-                    wall[name].append(tokens / (time.perf_counter() - w))
-        base = statistics.median(cpu["alone"])
+            wall, cpu = interleaved({name: lambda fn=fn: fn(model) for name, fn in ways}, args.repeats)
+        base = statistics.median(tokens / s for s in cpu["alone"])
         for name, _ in ways:
-            med = statistics.median(cpu[name])
-            print(f"| {dtype} | {name} | {med:,.1f} | {statistics.median(wall[name]):,.1f} | {med / base:.2f}x |")
+            med = statistics.median(tokens / s for s in cpu[name])
+            print(f"| {dtype} | {name} | {med:,.1f} | {statistics.median(tokens / s for s in wall[name]):,.1f} "
+                  f"| {med / base:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -33,13 +33,14 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import psutil
 import torch
+
+from harness import encoded, header, smollm2, workdir
 
 LAYERS = (3, 15, 27)
 
@@ -92,13 +93,8 @@ def process_name(p: psutil.Process) -> str:
 
 def write_rows(path: Path, mdir: str, rows: int, max_tokens: int) -> int:
     """The first ``rows`` ShareGPT conversations of at most ``max_tokens`` tokens, as JSONL; their tokens."""
-    from capture.chat import load_encoder
-    from capture.data import ReadStats, iter_conversations, resolve_dataset
-
-    enc = load_encoder(mdir)
     kept, tokens = [], 0
-    for conv in itertools.islice(iter_conversations(resolve_dataset("sharegpt"), ReadStats()), 20 * rows):
-        rec = enc.encode(conv)
+    for conv, rec in itertools.islice(encoded(mdir), 20 * rows):
         if isinstance(rec, str) or not 10 < rec.num_tokens <= max_tokens:
             continue
         kept.append({"conversation_id": len(kept), "conversations": [{"role": r, "content": c} for r, c in conv.messages]})
@@ -152,12 +148,10 @@ def main() -> None:
               "clone https://github.com/NVIDIA/Model-Optimizer and point --peer at "
               "examples/speculative_decoding/collect_hidden_states/compute_hidden_states_hf.py")
         return
+    header()
 
-    from capture.targets import PRESETS, model_dir
-
-    mdir = str(model_dir(PRESETS["smollm2-135m"]))
-    work = args.work or Path(tempfile.mkdtemp(prefix="peer-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
+    mdir = str(smollm2())
+    work = workdir("peer-bench-", args.work)
     data = work / "rows.jsonl"
     tokens = write_rows(data, mdir, args.rows, args.max_tokens)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}

@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
+from harness import header
 from shards.manifest import read as read_manifest
 from shards.stream import ShardStream
 
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument("run", nargs="?", default="/tmp/reader-bench-run")
     parser.add_argument("--passes", type=int, default=3)
     args = parser.parse_args()
+    header()
     torch.set_num_threads(1)
     run = Path(args.run)
     shard_bytes = sum(s["bytes"] for s in read_manifest(run).shards)

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import pyarrow as pa
 import torch
 import zstandard
 
+from harness import header, interleaved
 from shards import codecs
 from shards.manifest import read as read_manifest
 from shards.reader import read_table, shard_paths
@@ -108,22 +108,18 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--passes", type=int, default=5)
     args = parser.parse_args()
+    header()
     torch.set_num_threads(1)
     for run in args.runs:
-        header = read_manifest(run).header
-        hidden = header.hidden_size
+        run_header = read_manifest(run).header
+        hidden = run_header.hidden_size
         rows, check = load_cells(run)
         nbytes = sum(t * hidden * 2 * len(cells) for t, cells in rows)
         fns = stages(run, rows, check, hidden)
         for fn in fns.values():  # warm up: imports, page cache, allocator
             fn()
-        secs = {name: [] for name in fns}
-        for _ in range(args.passes):
-            for name, fn in fns.items():
-                start = time.process_time()
-                fn()
-                secs[name].append(time.process_time() - start)
-        print(f"\n{run}: codec {header.codec}, {len(rows)} rows, {sum(t for t, _ in rows):,} tokens, "
+        _, secs = interleaved(fns, args.passes)
+        print(f"\n{run}: codec {run_header.codec}, {len(rows)} rows, {sum(t for t, _ in rows):,} tokens, "
               f"{len(rows[0][1])} state columns x hidden {hidden}, {nbytes / 1e6:,.0f} MB of bf16; one thread, "
               f"CPU time, median (min-max) of {args.passes} interleaved passes")
         print(f"| stage | GB/s of bf16 per core |\n|---|---|")

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -23,20 +20,18 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import capture_run, header, smollm2, smollm2_taps
+
 LAYERS = "3,15,27"
 
 
 def run(engine: str, out: Path, limit: int, max_new: int) -> tuple[dict, str]:
-    cmd = [sys.executable, "-m", "cli", "run", "--engine", engine, "--dataset", "sharegpt", "--limit", str(limit),
-           "--layers", LAYERS, "--final", "post-norm", "--responses", "regenerate", "--regenerate-policy", "last",
-           "--max-new-tokens", str(max_new), "--out", str(out), "--json", "--no-progress"]
+    args = ["--engine", engine, "--dataset", "sharegpt", "--limit", str(limit), "--layers", LAYERS, "--final",
+            "post-norm", "--responses", "regenerate", "--regenerate-policy", "last", "--max-new-tokens", str(max_new),
+            "--out", str(out), "--json", "--no-progress"]
     if engine == "vllm":
-        cmd += ["--max-model-len", "4096"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout), " ".join(["capture", *cmd[3:]])
+        args += ["--max-model-len", "4096"]
+    return capture_run(*args)
 
 
 def check(out: Path, ref) -> dict:
@@ -67,13 +62,11 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=64, help="ShareGPT rows read")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args()
-    sys.path.insert(0, str(REPO))
+    header()
     from capture.engines.hf import HFEngine
-    from capture.targets import PRESETS, make_taps, model_dir
 
-    ref = HFEngine(str(model_dir(PRESETS["smollm2-135m"])),
-                   make_taps(PRESETS["smollm2-135m"], tuple(map(int, LAYERS.split(","))), "post-norm"),
-                   argmax=False, dtype="float32")
+    ref = HFEngine(str(smollm2()), smollm2_taps(tuple(map(int, LAYERS.split(","))), "post-norm"), argmax=False,
+                   dtype="float32")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for engine in ("hf", "vllm"):

@@ -9,29 +9,20 @@ Ray start-up and engine load; "engine tokens/s" divides by the busiest replica's
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import capture_run, header, workdir
 
 
 def run(out: Path, replicas: int) -> dict:
-    cmd = [sys.executable, "-m", "cli", "run", "--dataset", "sharegpt", "--layers", "3,15,27", "--limit", "60",
-           "--max-tokens", "1024", "--overlength", "truncate", "--unit-tokens", "4096", "--out", str(out),
-           "--replicas", str(replicas), "--cpus-per-replica", str(2 // replicas), "--no-progress", "--json"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
-    if proc.returncode:
-        sys.exit(proc.stderr[-3000:])
-    return json.loads(proc.stdout)
+    return capture_run("--dataset", "sharegpt", "--layers", "3,15,27", "--limit", "60", "--max-tokens", "1024",
+                       "--overlength", "truncate", "--unit-tokens", "4096", "--out", str(out), "--replicas",
+                       str(replicas), "--cpus-per-replica", str(2 // replicas), "--no-progress", "--json")[0]
 
 
 def main() -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="replicas-bench-"))
-    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    header()  # with the load average before
+    tmp = workdir("replicas-bench-")
     print("| replicas | cores each | rows | tokens | wall s | tokens/s (wall) | busiest replica s | "
           "engine tokens/s | units per replica |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---|")

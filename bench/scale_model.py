@@ -27,6 +27,8 @@ Nothing here is measured on a B300; the inputs are stated with their sources:
 
 from __future__ import annotations
 
+from harness import header
+
 CONVERSATIONS = 1_690_000
 TOKENS_PER_CONVERSATION = 1_600
 GPUS_PER_REPLICA = 8
@@ -53,6 +55,7 @@ def node_rate(fraction: float) -> float:
 
 
 def main() -> None:
+    header()
     tokens = CONVERSATIONS * TOKENS_PER_CONVERSATION
     raw_per_token = TAPS * HIDDEN * 2
     print(f"GLM-5.3, {TAPS} taps x hidden {HIDDEN}: {raw_per_token / 1e3:.1f} KB/token raw bf16; "

