@@ -131,6 +131,7 @@ def start(cfg: RunConfig, world_size: int = 1, queue_units: int = 2, keep: bool 
     from ray.util.queue import Full, Queue
 
     from capture.driver import run
+    from capture.sinks import Delivery
     from shards.run import resolve
 
     if world_size < 1 or queue_units < 1:
@@ -183,7 +184,7 @@ def start(cfg: RunConfig, world_size: int = 1, queue_units: int = 2, keep: bool 
             if keep:  # committed rows the trainer never acked come from the shards, before any new row
                 for info, payload in _unacked(cfg.out, acked):
                     deliver(info, ray.put(payload), lambda status: None)
-            online.summary = run(cfg, deliver=deliver, keep=keep).as_dict()
+            online.summary = run(cfg, Delivery(deliver, keep)).as_dict()
             publish()
             for rank, q in enumerate(queues):
                 put_end(rank, q, ("end", online.summary, None))

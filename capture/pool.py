@@ -5,7 +5,7 @@ The driver (:mod:`capture.driver`) streams work units into :meth:`ReplicaPool.su
 ``in_flight`` units queued on each replica (an actor runs its calls in order, so the next unit is already
 there when one ends and no replica idles) and blocks the driver while every replica is full
 (backpressure: the driver never holds more than ``replicas × in_flight`` units). Every closed shard a
-replica reports goes to ``commit`` (the driver appends the manifest line: the only commit).
+replica reports goes to the run's sink (:mod:`capture.sinks`; offline: the manifest line, the only commit).
 
 Exactly-once: a replica's rows reach a shard only through its writer, and a shard counts only once the
 driver commits it. The pool remembers, per replica, every record it handed out that no committed shard
@@ -163,28 +163,28 @@ class _Slot:
 
 class ReplicaPool:
     """``make_actor()`` returns a started-or-starting replica actor handle (``start``, ``process``,
-    ``finish``); ``commit(shard_infos)`` commits shards; ``on_result(result)`` sees every
+    ``finish``); ``on_result(result)`` sees every
     :class:`capture.replica.UnitResult` (progress, counts). ``unit_timeout``: seconds one unit may run
     (None: no limit). ``on_tick(status)`` is called at least every ``tick_s`` seconds while the pool waits
     (for a live display): ``status`` names what it waits for (engine loads) or is None (units running).
-    ``start_seconds``: wall-clock seconds spent waiting for replicas to load their engines. ``stream``
-    (online runs, :mod:`capture.online`): units go to ``Replica.process_stream`` and ``deliver(info,
-    payload)`` gets each unit's payload (a Ray object this process owns) after its shards are committed;
-    ``"deliver"``: the delivery is the unit's commit (no shards); ``"tee"``: rows count as committed only
-    once their shard is, as offline (a replica that dies with an open shard has those rows redone)."""
+    ``start_seconds``: wall-clock seconds spent waiting for replicas to load their engines. ``sink``
+    (:mod:`capture.sinks`) gets what replicas finish: ``sink.commit(infos)`` every closed shard, and, when
+    its ``output.payloads`` asks replicas for them (units go to ``Replica.process_with_payload``),
+    ``sink.deliver(info, payload)`` each unit's payload (a Ray object this process owns) after the unit's
+    shards are committed; a ``deliver`` that returns True has committed the unit's rows (otherwise rows
+    count once their shard is: a replica that dies with an open shard has those rows redone)."""
 
-    def __init__(self, make_actor: Callable[[], object], replicas: int, *, commit: Callable[[Sequence], None],
+    def __init__(self, make_actor: Callable[[], object], replicas: int, *, sink,
                  on_result: Callable[[object], None], in_flight: int = 2, unit_timeout: float | None = None,
                  max_attempts: int = 3, on_tick: Callable[[str | None], None] = lambda status: None,
-                 tick_s: float = 0.5, calls: RayCalls | LocalCalls | None = None, stream: str | None = None,
-                 deliver: Callable[[object, object], None] = lambda info, payload: None):
+                 tick_s: float = 0.5, calls: RayCalls | LocalCalls | None = None):
         self.calls = calls or RayCalls()
-        self.stream, self.deliver = stream, deliver
-        self._payloads: dict = {}  # stream: a unit's result handle → its payload handle
+        self.sink = sink
+        self._payloads: dict = {}  # payload sinks: a unit's result handle → its payload handle
         if unit_timeout is not None and isinstance(self.calls, LocalCalls):
             raise CaptureError("--unit-timeout needs replicas in processes of their own (--executor ray): "
                                "an in-process unit cannot be stopped")
-        self.make_actor, self.commit, self.on_result = make_actor, commit, on_result
+        self.make_actor, self.on_result = make_actor, on_result
         self.in_flight, self.unit_timeout, self.max_attempts = in_flight, unit_timeout, max_attempts
         self.on_tick, self.tick_s = on_tick, tick_s
         self.slots = [_Slot(make_actor(), [], {}) for _ in range(replicas)]
@@ -269,8 +269,8 @@ class ReplicaPool:
         slot = self.slots[i]
         if not slot.queue:
             slot.started = time.monotonic()
-        if self.stream:
-            ref, payload = self.calls.call(slot.actor, "process_stream", unit.records, returns=2)
+        if self.sink.output.payloads:
+            ref, payload = self.calls.call(slot.actor, "process_with_payload", unit.records, returns=2)
             self._payloads[ref] = payload
         else:
             ref = self.calls.call(slot.actor, "process", unit.records)
@@ -318,15 +318,13 @@ class ReplicaPool:
             slot.uncommitted.pop(sample_id, None)
         self._committed(slot, result.shards)
         payload = self._payloads.pop(ref, None)
-        if self.stream and result.payload is not None:
-            self.deliver(result.payload, payload)
-            if self.stream == "deliver":  # the delivery is the commit
-                for sample_id in result.payload.sample_ids:
-                    slot.uncommitted.pop(sample_id, None)
+        if result.payload is not None and self.sink.deliver(result.payload, payload):  # the delivery commits
+            for sample_id in result.payload.sample_ids:
+                slot.uncommitted.pop(sample_id, None)
         self.on_result(result)
 
     def _committed(self, slot: _Slot, infos: Sequence) -> None:
-        self.commit(infos)
+        self.sink.commit(infos)
         for info in infos:
             for sample_id in info.sample_ids:
                 slot.uncommitted.pop(sample_id, None)

@@ -41,16 +41,17 @@ from common.records import Prompt, Tokenized
 from capture.engines import EngineSpec, load_engine
 from capture.engines.base import Captured
 from capture.regenerate import regenerate, sampling_of
+from capture.sinks import Output
 from capture.targets import Taps
 from filters import FilterConfig, apply_filters
 from shards.format import RunHeader, schema
 from shards.rows import Row
 from shards.run import Location
-from shards.writer import ShardInfo, ShardWriter, StreamWriter, TeeWriter
+from shards.writer import ShardInfo
 
 
 _CLOSE = object()  # a writer queue item: close the open shard
-_PAYLOAD = object()  # a writer queue item (stream modes): close the unit's payload
+_PAYLOAD = object()  # a writer queue item (outputs with payloads): close the unit's payload
 
 
 @dataclasses.dataclass
@@ -61,7 +62,7 @@ class UnitResult:
     rows: int
     engine_seconds: float = 0.0  # in engine forward/generate calls
     write_seconds: float = 0.0  # the writer thread's encoding and I/O since the last unit (beside the engine)
-    payload: ShardInfo | None = None  # stream modes: what the unit's payload holds (path ""), None if no row
+    payload: ShardInfo | None = None  # outputs with payloads: what the unit's payload holds (path ""), None if no row
 
 
 def length_batches(records: Sequence[Tokenized], batch_tokens: int | None) -> list[list[Tokenized]]:
@@ -113,7 +114,7 @@ class Replica:
     def __init__(self, model_dir: str, taps: Taps, header: RunHeader, out: Location | str, *, shard_size: int,
                  batch_tokens: int, threads: int | None = None, codec_threads: int = 2,
                  engine: EngineSpec = EngineSpec("hf"), filters: FilterConfig | None = None, feed=None,
-                 commit_seconds: float = float("inf"), stream: str | None = None):
+                 commit_seconds: float = float("inf"), output: Output = Output()):
         self._load = lambda: load_engine(engine, model_dir, taps, argmax=header.argmax, dtype=header.dtype,
                                          threads=threads, topk=header.topk)
         self.engine = None  # loaded by start(): a Ray actor's constructor error loses its exception type
@@ -123,14 +124,10 @@ class Replica:
         self.batch_tokens = None if engine.capabilities.own_batching else batch_tokens
         self.responses = header.responses
         self.filters = dataclasses.replace(filters or FilterConfig(), dedup=False)
-        # stream modes (online runs, capture.online): the unit's rows also go back as one Arrow IPC payload
-        # (:meth:`process_stream`), encoded exactly as shard rows; "deliver": no shard is written, "tee": shards too
-        if stream not in (None, "deliver", "tee"):
-            raise ValueError(f"stream mode {stream!r}")
-        shards = ShardWriter(out, schema(header), shard_size, threads=codec_threads) if stream != "deliver" else None
-        payloads = StreamWriter(schema(header), threads=codec_threads) if stream else None
-        self.writer = TeeWriter(shards, payloads) if stream == "tee" else shards or payloads
-        self._payloads: queue.SimpleQueue = queue.SimpleQueue()  # writer thread → process_stream
+        # what the run's sink asks for (capture.sinks): shards, and/or each unit's rows as one Arrow IPC
+        # payload (:meth:`process_with_payload`), encoded exactly as shard rows
+        self.writer = output.writer(out, schema(header), shard_size, codec_threads)
+        self._payloads: queue.SimpleQueue = queue.SimpleQueue()  # writer thread → process_with_payload
         self._queue: queue.Queue = queue.Queue(maxsize=2)
         self._closed: queue.SimpleQueue[ShardInfo] = queue.SimpleQueue()  # writer thread → caller
         self._error: BaseException | None = None
@@ -215,11 +212,11 @@ class Replica:
         result.write_seconds, self._write_seconds = self._write_seconds, 0.0
         return result
 
-    def process_stream(self, unit: Sequence[Tokenized] | Sequence[Prompt]) -> tuple[UnitResult, np.ndarray]:
-        """Stream modes: :meth:`process`, then the unit's rows as ``(result, payload)``: ``payload`` a uint8
+    def process_with_payload(self, unit: Sequence[Tokenized] | Sequence[Prompt]) -> tuple[UnitResult, np.ndarray]:
+        """A sink with payloads (:class:`capture.sinks.Output`): :meth:`process`, then the unit's rows as ``(result, payload)``: ``payload`` a uint8
         array holding one Arrow IPC stream (the run's shard schema and cells; Ray hands it on zero-copy),
         ``result.payload`` the ShardInfo describing it (``path`` ""; no rows: None and an empty payload);
-        ``result.shards`` the shards closed meanwhile ("tee" mode).
+        ``result.shards`` the shards closed meanwhile (an output with shards too).
         Called with two returns (``num_returns=2``) so that the payload is an object the driver owns: it
         outlives this replica."""
         result = self.process(unit)

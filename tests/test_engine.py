@@ -142,13 +142,13 @@ def test_first_shard_and_old_shards_close_with_their_unit(smol_dir, records, tmp
 
 def test_units_start_small_one_per_replica():
     """Each replica's first unit holds about ``first_tokens``; the rest about ``unit_tokens``."""
-    from capture.driver import _units
+    from capture.work import units
 
     Rec = collections.namedtuple("Rec", "sample_id num_tokens")
     recs = [Rec(str(i), 1000) for i in range(20)]
-    sizes = [sum(r.num_tokens for r in u) for u in _units(iter(recs), 8000, first=2, first_tokens=2500)]
+    sizes = [sum(r.num_tokens for r in u) for u in units(iter(recs), 8000, first=2, first_tokens=2500)]
     assert sizes == [3000, 3000, 8000, 6000]
-    assert [len(u) for u in _units(iter(recs), 8000)] == [8, 8, 4]
+    assert [len(u) for u in units(iter(recs), 8000)] == [8, 8, 4]
 
 # ------------------------------------------------------------------ compute dtype (--dtype)
 
@@ -243,7 +243,7 @@ def test_device_choice_for_the_hf_engine(smol_dir, tmp_path):
     """--device: auto is cuda exactly when CUDA is visible; cuda without a GPU is one line; a cuda hf
     replica reserves its GPUs from Ray (a cluster with fewer is refused); the header names a cuda run's
     device. On this CPU machine auto runs on the CPU."""
-    from capture.driver import replica_gpus
+    from capture.executor import replica_gpus
     from capture.engines import EngineSpec, engine_spec, resolve_device
     from common.errors import CaptureError
     from conftest import capture_inproc

@@ -159,7 +159,7 @@ def test_exl3_run_header_stores_fp16(tmp_path, monkeypatch):
     """``--engine exl3`` runs store float16 fields and record the clamp (run header, built before any
     engine starts); regenerate mode is refused."""
     from capture.config import RunConfig
-    from capture.driver import prepare
+    from capture.plan import prepare
     from common.errors import CaptureError
 
     model_dir = build_fixture("glm_moe_dsa", tmp_path / "m", layers=3)

@@ -221,7 +221,7 @@ def test_glm_preset_uses_the_packaged_template(tmp_path):
     tokenizer carries another template (a config-only folder of the preset's shape: nothing is loaded but
     the tokenizer); ``--chat-template`` still wins."""
     from capture.config import RunConfig
-    from capture.driver import prepare
+    from capture.plan import prepare
 
     folder = tmp_path / "GLM-5.3"
     tok = build_tokenizer()

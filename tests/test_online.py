@@ -124,7 +124,7 @@ def test_replica_killed_mid_unit_online_delivers_exactly_once(tmp_path, sample_j
     of the dead replica's open shard are captured again for the shards but not sent to the trainer twice."""
     out = tmp_path / "online"
     proc = trainer(out, sample_jsonl, tag, *(["--keep"] if keep else []))
-    killed = kill_a_busy_replica(proc, tag, "ray::Replica.process_stream")
+    killed = kill_a_busy_replica(proc, tag, "ray::Replica.process_with_payload")
     stdout, stderr = proc.communicate(timeout=600)
     assert killed is not None, "no replica was ever seen processing a unit"
     assert proc.returncode == 0, stderr[-3000:]

@@ -18,6 +18,7 @@ from common.errors import CaptureError
 from capture.pool import LocalActor, LocalCalls, ReplicaPool
 from capture.progress import Progress, feed
 from capture.replica import UnitResult
+from capture.sinks import Output
 from shards.writer import ShardInfo
 
 
@@ -62,20 +63,32 @@ def local_ray(ray_cluster):
         yield
 
 
+class Collect:
+    """A sink (:mod:`capture.sinks`' interface, shards only) that keeps the sample ids of every shard committed."""
+
+    output = Output()
+
+    def __init__(self):
+        self.committed: list[str] = []
+
+    def commit(self, infos) -> None:
+        self.committed.extend(s for i in infos for s in i.sample_ids)
+
+
 def run_pool(tmp_path, units, *, poison=(), hang=(), timeout=None, attempts=2, local=False):
     """Two Ray replicas, or (``local``) one replica in this process."""
-    committed = []
+    sink = Collect()
     if local:
         make, replicas, calls = lambda: LocalActor(ScriptedReplica(set(poison), set(hang), str(tmp_path))), 1, LocalCalls()
     else:
         actor = ray.remote(num_cpus=0)(ScriptedReplica)
         make, replicas, calls = lambda: actor.remote(set(poison), set(hang), str(tmp_path)), 2, None
-    pool = ReplicaPool(make, replicas, commit=lambda infos: committed.extend(s for i in infos for s in i.sample_ids),
-                       on_result=lambda r: None, unit_timeout=timeout, max_attempts=attempts, calls=calls)
+    pool = ReplicaPool(make, replicas, sink=sink, on_result=lambda r: None, unit_timeout=timeout,
+                       max_attempts=attempts, calls=calls)
     for unit in units:
         pool.submit(unit)
     pool.finish()
-    return pool, committed
+    return pool, sink.committed
 
 
 def units_of(n_units: int, size: int) -> list[list[Rec]]:
@@ -153,7 +166,7 @@ def test_progress_moves_before_the_first_unit_completes(local_ray):
             at_first_result.append((progress.tokens, len(ticks), screen.getvalue()))
 
     actor = ray.remote(num_cpus=0)(SlowReplica)
-    pool = ReplicaPool(lambda: actor.remote(progress.feed), 1, commit=lambda infos: None, on_result=on_result,
+    pool = ReplicaPool(lambda: actor.remote(progress.feed), 1, sink=Collect(), on_result=on_result,
                        on_tick=on_tick, tick_s=0.2)
     pool.submit(units_of(1, 3)[0])
     pool.finish()

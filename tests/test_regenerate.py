@@ -115,7 +115,7 @@ def test_every_turn_is_conditioned_on_the_targets_own_answers(tmp_path, smol_dir
     """`--regenerate-policy every` through a replica: each answer is the target's, followed by the next user
     turn; decoded, the record is the template's rendering of the conversation with the generated answers."""
     from capture.config import RunConfig
-    from capture.driver import prepare
+    from capture.plan import prepare
     from capture.replica import Replica
 
     cfg = RunConfig(out=str(tmp_path / "run"), layers=(3,), responses="regenerate", regenerate_policy="every",

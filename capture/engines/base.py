@@ -55,7 +55,9 @@ class Capabilities:
 (``--topk K``; the driver refuses K > 0 for an engine without). ``devices``: where it runs
     (``cpu``, ``cuda``). ``gpus_per_tp_rank``: a replica reserves ``tp`` GPUs from Ray when the cluster
     has GPUs. ``options``: run settings (``RunConfig`` field names) only this engine takes; the driver
-    refuses them for the others.
+    refuses them for the others. ``in_process``: ``--executor auto`` runs one replica of it in the
+    driver's process (no Ray). ``self_check``: rows ``--self-check`` rechecks by default (states from code
+    paths other than a plain HF forward are worth rechecking; 0: off).
     """
 
     generates: bool
@@ -66,6 +68,8 @@ class Capabilities:
     devices: tuple[str, ...] = ("cpu",)
     gpus_per_tp_rank: bool = False
     options: tuple[str, ...] = ()
+    in_process: bool = False
+    self_check: int = 0
 
 
 class Engine(Protocol):

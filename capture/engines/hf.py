@@ -189,7 +189,7 @@ class HFEngine:
 
     name = "hf"
     # load_engine passes device_map="auto" for --device cuda (the replica's visible GPUs)
-    capabilities = Capabilities(generates=True, topk=True, devices=("cpu", "cuda"),
+    capabilities = Capabilities(generates=True, topk=True, devices=("cpu", "cuda"), in_process=True,
                                 options=("compute_dtype", "device", "gpus_per_replica"))
 
     def __init__(self, model_dir: str, taps: Taps, *, argmax: bool = True, dtype: str = "bfloat16", threads: int | None = None,

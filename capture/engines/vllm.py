@@ -142,7 +142,7 @@ class VLLMEngine:
 
     name = "vllm"
     capabilities = Capabilities(generates=True, own_batching=True, topk=True, devices=("cpu", "cuda"),
-                                gpus_per_tp_rank=True,
+                                gpus_per_tp_rank=True, self_check=8,
                                 options=("vllm_path", "tp", "max_model_len", "gpu_memory_utilization", "vllm_args"))
     topk = 0  # K of the top-K log-probabilities kept per position (0: none)
     _asked = 0  # logprobs asked of vLLM per position (K + TOPK_MARGIN)
