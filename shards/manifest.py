@@ -32,7 +32,7 @@ import os
 
 from common.errors import CaptureError
 from shards.format import FormatError, RunHeader
-from shards.run import MANIFEST, MANIFEST_DIR, Location, ManifestLog, as_location
+from shards.run import MANIFEST, Location, ManifestLog, as_location
 from shards.writer import ShardInfo
 
 log = logging.getLogger(__name__)
@@ -214,11 +214,7 @@ def holds_nothing(loc: Location, manifest: Manifest) -> bool:
 
 def reset(loc: Location) -> None:
     """Remove the manifest of a run that :func:`holds_nothing` (its header and dataset lines)."""
-    if loc.local:
-        loc.delete(MANIFEST)
-    else:
-        for name in loc.names(MANIFEST_DIR):
-            loc.delete(f"{MANIFEST_DIR}/{name}")
+    loc.delete_manifest()
 
 
 def check_identity(run: str, manifest: Manifest, header: RunHeader) -> None:

@@ -290,6 +290,15 @@ class Location:
             data.append(entry)
         return b"".join(data), self.join(MANIFEST if self.local else MANIFEST_DIR)
 
+    def delete_manifest(self) -> None:
+        """Remove the manifest (``manifest.jsonl``, or every entry object of ``manifest.d/``): for a run
+        that holds nothing yet (:func:`shards.manifest.reset`)."""
+        if self.local:
+            self.delete(MANIFEST)
+        else:
+            for name in self.names(MANIFEST_DIR):
+                self.delete(f"{MANIFEST_DIR}/{name}")
+
     def manifest_log(self, committed_bytes: int) -> "ManifestLog":
         """The writer of the manifest log, for the run's one writer (the driver, or recode): local, the
         appended ``manifest.jsonl``, cut first to its ``committed_bytes`` (a torn last line goes); object
