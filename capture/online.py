@@ -111,7 +111,7 @@ class Online:
             ray.shutdown()
 
     def join(self) -> dict:
-        """Wait for the capture; its summary dict (:class:`capture.driver.Summary`). Re-raises its error."""
+        """Wait for the capture; its summary dict (:class:`capture.summary.Summary`). Re-raises its error."""
         if self.thread is not None:
             self.thread.join()
         if self.error is not None:

@@ -1,6 +1,6 @@
 """One engine replica: takes work units of tokenized records, prefills them, writes shards.
 
-A replica runs as a Ray actor or in the driver's process (``--executor``, :mod:`capture.driver`); it owns an engine and a
+A replica runs as a Ray actor or in the driver's process (``--executor``, :mod:`capture.executor`); it owns an engine and a
 :class:`shards.writer.ShardWriter`. It never touches the manifest: it returns the shards it closed and
 the driver commits them, so two replicas never claim the same shard or sample.
 
