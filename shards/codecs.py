@@ -24,7 +24,8 @@ int4-b32      no        the same with integer codes in [-7, 7], two a byte (``co
 ============  ========  =====================================================================  ======
 
 Cells end with a checksum of their bytes (:data:`CHECKS`; :func:`encode` ``check=``, recorded in the
-schema's state fields as ``check``): XXH3-64 since format 1.4, CRC-32 in format 1.3 (zlib's CRC-32 checks
+schema's state fields as ``check``; which one a run's format version means is decided by its
+:class:`shards.format.CellLayout`): XXH3-64 since format 1.4, CRC-32 in format 1.3 (zlib's CRC-32 checks
 2.5 GB/s of cell here, ~25% on top of a ``bf16-split`` decode; XXH3-64 14.8 GB/s, ~4%:
 bench/codecs.out). A damaged byte anywhere in a cell, also where no zstd frame covers it (``bf16-split``'s low
 bytes, fp8's scales), is then an error, not other states.
@@ -379,20 +380,17 @@ def check(codec: str, dtype: str | None = None) -> str:
     return codec
 
 
-PACKED_INT4_FROM = (1, 5)  # format version from which int4-b32 cells hold two codes a byte
-
-
 def encode(codec: str, states: torch.Tensor, level: int = ZSTD_LEVEL, check: str | None = None,
-           format_version: str | None = None) -> bytes:
+           packed: bool = True) -> bytes:
     """Encode ``states`` (bf16 or fp16, ``[T, H]``) into one cell. Releases the GIL inside zstd. ``check``:
-    append that checksum of the cell (:data:`CHECKS`, little-endian; ``xxh3_64`` in format 1.4, ``crc32``
-    in 1.3, None before), so that a damaged byte anywhere in it, also in the parts no zstd frame covers
-    (bf16-split's low bytes, fp8's scales), fails to decode. ``format_version``: the run's (None: this
-    capture's), so a run keeps the layout of the version that started it (``int4-b32``: two codes a byte
-    from 1.5, one before). Raises ValueError for an unknown codec or check."""
+    append that checksum of the cell (:data:`CHECKS`, little-endian), so that a damaged byte anywhere in
+    it, also in the parts no zstd frame covers (bf16-split's low bytes, fp8's scales), fails to decode.
+    ``packed``: ``int4-b32`` codes two a byte (False: one a byte). Which checksum and packing a run's
+    format version means is decided by its :class:`shards.format.CellLayout`, which calls this. Raises
+    ValueError for an unknown codec or check."""
     if codec not in REGISTRY:
         raise ValueError(f"unknown codec {codec!r}")
-    if codec == "int4-b32" and format_version is not None and _version(format_version) < PACKED_INT4_FROM:
+    if codec == "int4-b32" and not packed:
         cell = REGISTRY[codec].encode(states, compressor(level), packed=False)
     else:
         cell = REGISTRY[codec].encode(states, compressor(level))
@@ -400,11 +398,6 @@ def encode(codec: str, states: torch.Tensor, level: int = ZSTD_LEVEL, check: str
         return cell
     size, digest = _check(check)
     return cell + digest(cell).to_bytes(size, "little")
-
-
-def _version(version: str) -> tuple[int, int]:
-    major, minor = version.split(".")[:2]
-    return int(major), int(minor)
 
 
 def _check(name: str) -> tuple[int, Callable]:

@@ -52,15 +52,24 @@ check) from 1.4 (:data:`shards.codecs.CHECKS`). A run keeps the layout of the ve
 first) instead of one (int8): the same decoded bits, ~7% more bytes, twice as fast through a reader's zstd
 stage (:func:`shards.codecs._block_codec`). Earlier cells still decode (told apart by their size); a
 reader older than 1.5 fails on a 1.5 ``int4-b32`` cell with a size error.
+
+**The cell layout.** What a version means for the cells (the checksum, int4 packing) is decided here
+once, by :func:`layout_of` (:attr:`RunHeader.layout`; a shard's own: :func:`layout_of_schema`): a
+:class:`CellLayout` holds codec, checksum, format version, state dtype, hidden size, K, the state
+columns, argmax and the final kind, encodes and decodes the run's state cells, and names the columns a
+reader asks for (:meth:`CellLayout.columns_for`). Every encoder (:func:`shards.rows.record_batch`,
+:class:`shards.writer.CellEncoder`) and the one sample decoder (:func:`shards.rows.decode_sample`) take it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-from typing import Any
+from typing import Any, Sequence
 
 import pyarrow as pa
+import torch
 
 from common.errors import CaptureError
 from shards import codecs
@@ -74,6 +83,8 @@ FINAL = "final"
 # What a header without a field means (headers written before the field existed).
 DATASET_RESPONSES = {"mode": "dataset", "chat_template_kwargs": {}}
 DEFAULT_ENGINE = {"name": "hf"}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}  # a header's state dtype → the tensors' dtype
+PACKED_INT4_FROM = (1, 5)  # format version from which int4-b32 cells hold two codes a byte
 # Fields that must be equal for new shards to join an existing run (see shards.manifest).
 RUN_IDENTITY = ("target", "taps", "columns", "hidden_size", "dtype", "codec", "argmax", "chat_template_sha256",
                 "tokenizer_sha256", "responses", "engine", "topk")
@@ -91,6 +102,11 @@ def tap_column(layer: int) -> str:
 def tap_layer(column: str) -> int | None:
     """The decoder layer a ``tap_<k>`` column holds; None for any other column (e.g. ``final``)."""
     return int(column[len(TAP_PREFIX):]) if column.startswith(TAP_PREFIX) else None
+
+
+def tap_layers(columns: Sequence[str]) -> tuple[int, ...]:
+    """The decoder layers the ``tap_<k>`` columns among ``columns`` hold, in their order."""
+    return tuple(k for k in map(tap_layer, columns) if k is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,12 +184,14 @@ class RunHeader:
     # ------------------------------------------------------------ what the columns mean
 
     @property
+    def layout(self) -> "CellLayout":
+        """The run's cell layout (:func:`layout_of`)."""
+        return layout_of(self)
+
+    @property
     def cell_check(self) -> str | None:
-        """The checksum state cells end with (:data:`shards.codecs.CHECKS`): ``xxh3_64`` from format 1.4,
-        ``crc32`` in 1.3, None before. A run keeps the layout of the version that started it (a resume
-        writes what its header says)."""
-        major, minor = (int(x) for x in self.format_version.split(".")[:2])
-        return "xxh3_64" if (major, minor) >= (1, 4) else "crc32" if (major, minor) == (1, 3) else None
+        """The checksum state cells end with (:attr:`CellLayout.check`)."""
+        return _cell_check(self.format_version)
 
     @property
     def lossless(self) -> bool:
@@ -187,7 +205,7 @@ class RunHeader:
     @property
     def tap_layers(self) -> tuple[int, ...]:
         """The tapped decoder layers in header order (tap k = output of 0-based decoder layer k)."""
-        return tuple(tap_layer(c) for c in self.tap_columns)
+        return tap_layers(self.columns)
 
     @property
     def final_kind(self) -> str | None:
@@ -220,6 +238,94 @@ class RunHeader:
         """Fields of RUN_IDENTITY on which two headers disagree."""
         mine, theirs = self.identity(), other.identity()
         return [k for k in RUN_IDENTITY if mine[k] != theirs[k]]
+
+
+def _version(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _cell_check(version: str) -> str | None:
+    """The checksum a format version's state cells end with: ``xxh3_64`` from 1.4, ``crc32`` in 1.3, None
+    before (minor versions compare as numbers)."""
+    v = _version(version)
+    return "xxh3_64" if v >= (1, 4) else "crc32" if v == (1, 3) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class CellLayout:
+    """How a run's state cells are written and read, decided once from its header (:func:`layout_of`).
+
+    ``codec``: the state codec (:mod:`shards.codecs`); ``check``: the checksum each state cell ends with
+    (:data:`shards.codecs.CHECKS`: ``xxh3_64`` from format 1.4, ``crc32`` in 1.3, None before);
+    ``packed``: ``int4-b32`` codes go two a byte (format 1.5 on; one a byte before). A run keeps the
+    layout of the version that started it (a resume writes what its header says). ``dtype``: the torch
+    dtype a state cell decodes to (bf16 or fp16); ``hidden_size``: H of every ``[T, H]`` cell; ``topk``: K
+    of the top-K cells (0: none); ``columns``: the state columns in header order (``tap_<k>``, then
+    ``final`` if stored); ``argmax``: whether rows hold ``argmax``; ``final_kind``: ``post-norm`` /
+    ``pre-norm`` when ``final`` is stored, else None.
+    """
+
+    codec: str
+    check: str | None
+    packed: bool
+    format_version: str
+    dtype: torch.dtype
+    hidden_size: int
+    topk: int
+    columns: tuple[str, ...]
+    argmax: bool
+    final_kind: str | None
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        """The tapped decoder layers in header order."""
+        return tap_layers(self.columns)
+
+    def columns_for(self, layers: Sequence[int] | None = None, final: bool = True) -> tuple[str, ...]:
+        """The state columns a reader decodes: ``tap_<k>`` for each of ``layers`` in that order (None: every
+        tap, header order), then ``final`` when ``final`` and the run stored it. Raises CaptureError for a
+        tap the run lacks (or no tap at all): every reader's one message."""
+        taps = list(self.tap_layers)
+        wanted = taps if layers is None else [int(k) for k in layers]
+        missing = [k for k in wanted if k not in taps]
+        if missing or not wanted:
+            raise CaptureError(f"no tap(s) {missing or wanted} in this run; it stored taps {taps}")
+        return tuple(map(tap_column, wanted)) + ((FINAL,) if final and self.final_kind is not None else ())
+
+    def encode(self, states: torch.Tensor) -> bytes:
+        """One ``[T, H]`` tensor (bf16 or fp16) → one state cell of this layout (codec, packing, checksum).
+        Raises ValueError for a tensor the codec cannot store."""
+        return codecs.encode(self.codec, states, check=self.check, packed=self.packed)
+
+    def decode(self, cell, tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One state cell (any buffer) → ``[tokens, hidden_size]`` tensor of :attr:`dtype`, written into
+        ``out`` when given (:func:`shards.codecs.decode`). Raises :class:`shards.codecs.CellError` when
+        its checksum fails, ``zstandard.ZstdError`` for a damaged frame, ValueError on a size mismatch."""
+        return codecs.decode(self.codec, cell, tokens, self.hidden_size, self.dtype, check=self.check, out=out)
+
+
+def layout_of(head: RunHeader) -> CellLayout:
+    """The cell layout of a run started with ``head`` (its format version decides checksum and int4
+    packing). Raises FormatError for a state dtype this capture cannot decode to."""
+    if head.dtype not in DTYPES:
+        raise FormatError(f"state dtype {head.dtype!r} is not one of {', '.join(DTYPES)}")
+    return CellLayout(codec=head.codec, check=_cell_check(head.format_version),
+                      packed=_version(head.format_version) >= PACKED_INT4_FROM, format_version=head.format_version,
+                      dtype=DTYPES[head.dtype], hidden_size=head.hidden_size, topk=head.topk, columns=head.columns,
+                      argmax=head.argmax, final_kind=head.final_kind)
+
+
+def layout_of_schema(schema_: pa.Schema) -> CellLayout:
+    """The cell layout of a shard (or a table of its rows: a payload, a Ray Data batch) from the run header
+    in its schema metadata; cached by that header's bytes, so a reader may ask once per row. Raises
+    FormatError for a missing header or an unknown major version."""
+    return _layout_of_json(_raw_header(schema_))
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_of_json(raw: bytes) -> CellLayout:
+    return layout_of(RunHeader.from_dict(json.loads(raw)))
 
 
 def header(*, target: dict, taps: dict, columns: list[str], hidden_size: int, dtype: str, codec: str,
@@ -265,10 +371,14 @@ def schema(head: RunHeader) -> pa.Schema:
 
 def read_header(schema_: pa.Schema) -> RunHeader:
     """The header of a shard's schema. Raises FormatError for a missing header or unknown major version."""
+    return RunHeader.from_dict(json.loads(_raw_header(schema_)))
+
+
+def _raw_header(schema_: pa.Schema) -> bytes:
     raw = (schema_.metadata or {}).get(METADATA_KEY)
     if raw is None:
         raise FormatError("not a capture shard: no 'capture' header in the schema metadata")
-    return RunHeader.from_dict(json.loads(raw))
+    return raw
 
 
 def check_version(version: str) -> None:

@@ -27,7 +27,8 @@ bytes) and decoded by the transform.
 
 States keep the run's dtype (bf16; fp16 for engines that give fp16). The transform decodes the cells
 that ``datasets`` hands it as Python ``bytes`` (one copy of each cell per access; ``ShardStream``
-decodes straight from the memory-mapped Arrow buffers and is the faster reader for training).
+decodes straight from the memory-mapped Arrow buffers and is the faster reader for training), in the
+run header's cell layout, by the sample decoder ``ShardStream`` uses (:func:`shards.rows.decode_sample`).
 ``ds.with_format(...)`` or ``set_format`` replaces the transform: set it again afterwards.
 """
 
@@ -41,11 +42,10 @@ import pyarrow.fs as pafs
 import torch
 
 from common.errors import CaptureError
-from shards import codecs
 from shards import manifest as manifest_mod
-from shards.format import FINAL, FormatError, RunHeader, read_header, tap_column
+from shards.format import FINAL, FormatError, RunHeader, read_header, tap_layers
 from shards import topk as topk_mod
-from shards.rows import DTYPES
+from shards.rows import decode_sample
 from shards.run import Location, as_location
 from shards.stream import SPLITS, in_split
 
@@ -84,56 +84,25 @@ class Decoder:
     """
 
     def __init__(self, header: RunHeader, layers: Sequence[int] | None = None, final: bool = True, topk: bool = True):
-        taps = list(header.tap_layers)
-        wanted = taps if layers is None else [int(k) for k in layers]
-        missing = [k for k in wanted if k not in taps]
-        if missing or not wanted:
-            raise CaptureError(f"no tap(s) {missing or wanted} in this run; it stored taps {taps}")
-        if header.dtype not in DTYPES:
-            raise FormatError(f"state dtype {header.dtype!r} is not one of {', '.join(DTYPES)}")
         self.header = header
-        self.taps_layers: tuple[int, ...] = tuple(wanted)
-        self.final: bool = bool(final) and header.final_kind is not None
-        self.states: tuple[str, ...] = tuple(tap_column(k) for k in wanted) + ((FINAL,) if self.final else ())
+        self.layout = header.layout  # FormatError for a state dtype no tensor has
+        self.states: tuple[str, ...] = self.layout.columns_for(layers, final)  # the state columns decoded
+        self.taps_layers: tuple[int, ...] = tap_layers(self.states)
+        self.final: bool = FINAL in self.states
         self.topk: int = header.topk if topk else 0
         self.columns: tuple[str, ...] = (SCALARS + (("argmax",) if header.argmax else ())
                                          + (topk_mod.COLUMNS if self.topk else ()) + self.states)
+        self.keys: tuple[str, ...] = (SCALARS + (("argmax",) if header.argmax else ()) + ("taps",)  # of a sample
+                                      + ((FINAL,) if self.final else ()) + (topk_mod.COLUMNS if self.topk else ()))
 
     def __call__(self, batch: dict) -> dict[str, list]:
         missing = [c for c in self.columns if c not in batch]
         if missing:
             raise CaptureError(f"the dataset lacks column(s) {missing} that decoding needs (it has "
                                f"{', '.join(batch)}); hf_dataset(..., states=True) keeps them")
-        codec, hidden, dtype = self.header.codec, self.header.hidden_size, DTYPES[self.header.dtype]
-        n_taps = len(self.taps_layers)
-        out: dict[str, list] = {"sample_id": list(batch["sample_id"]), "source": list(batch["source"]),
-                                "input_ids": [], "loss_mask": []}
-        if self.header.argmax:
-            out["argmax"] = []
-        out["taps"] = []
-        if self.final:
-            out["final"] = []
-        if self.topk:
-            out[topk_mod.IDS], out[topk_mod.LOGPROBS] = [], []
-        for i, ids in enumerate(batch["input_ids"]):
-            tokens = len(ids)
-            out["input_ids"].append(torch.tensor(ids, dtype=torch.int64))
-            out["loss_mask"].append(torch.tensor(batch["loss_mask"][i], dtype=torch.bool))
-            if self.header.argmax:
-                out["argmax"].append(torch.tensor(batch["argmax"][i], dtype=torch.int64))
-            taps = torch.empty(tokens, n_taps, hidden, dtype=dtype)  # each tap decodes into its slice
-            for j, c in enumerate(self.states[:n_taps]):
-                codecs.decode(codec, batch[c][i], tokens, hidden, dtype, check=self.header.cell_check, out=taps[:, j])
-            out["taps"].append(taps)
-            if self.final:
-                out["final"].append(codecs.decode(codec, batch[self.states[n_taps]][i], tokens, hidden, dtype,
-                                                  check=self.header.cell_check))
-            if self.topk:
-                top_ids = topk_mod.decode_ids(batch[topk_mod.IDS][i], self.topk, tokens)
-                out[topk_mod.IDS].append(torch.from_numpy(top_ids.astype("int64")))
-                out[topk_mod.LOGPROBS].append(torch.from_numpy(
-                    topk_mod.decode_logprobs(batch[topk_mod.LOGPROBS][i], self.topk, tokens)))
-        return out
+        samples = [decode_sample(self.layout, lambda c, i=i: batch[c][i], self.states, self.topk)
+                   for i in range(len(batch["input_ids"]))]
+        return {k: [s[k] for s in samples] for k in self.keys}
 
     def __repr__(self) -> str:
         return (f"Decoder(taps_layers={self.taps_layers}, final={self.final}, topk={self.topk}, "
@@ -156,8 +125,9 @@ def decoder(run: str | os.PathLike | Location | RunHeader, layers: Sequence[int]
 
     Raises CaptureError for a run without a header or a tap the run lacks (here), and, when the
     transform runs, for a dataset lacking a column it needs (``sample_id``, ``source``, ``input_ids``,
-    ``loss_mask``, ``argmax`` and the top-K cells if stored, the state columns); ValueError (or zstd's error) for a cell
-    that does not decode to ``[T, H]``.
+    ``loss_mask``, ``argmax`` and the top-K cells if stored, the state columns); ValueError (or zstd's
+    error, or :class:`shards.codecs.CellError` for a failed checksum) for a cell that does not decode to
+    ``[T, H]``.
     """
     return Decoder(run_header(run), layers, final, topk)
 

@@ -9,8 +9,9 @@ rows whose shard a dead replica never closed),
 shard schema and cells (:class:`shards.writer.StreamWriter`), owned by the capture's driver, not by the
 replica that made it; ``("end", summary)`` after the last rows; ``("error", message)`` when the capture
 failed. :class:`OnlineStream` fetches a payload (zero-copy from the object store), decodes its rows with
-:func:`shards.stream.row_sample` (the sample dict of :mod:`shards.stream`: ``taps`` bf16 ``[T, L, H]``,
-``final`` ``[T, H]``, ids, mask, argmax, top-K) and yields them in arrival order.
+:func:`shards.rows.table_sample` in the layout of the payload's header (the sample dict of
+:mod:`shards.stream`: ``taps`` bf16 ``[T, L, H]``, ``final`` ``[T, H]``, ids, mask, argmax, top-K) and
+yields them in arrival order.
 
 **Exactly once.** The trainer calls :meth:`OnlineStream.ack` with the sample ids it trained on, after the
 checkpoint that covers them is saved. Each ack is one file ``online-consumed-<rank:05d>-<seq>-<ns>.json``
@@ -45,9 +46,9 @@ import pyarrow as pa
 from torch.utils.data import IterableDataset
 
 from common.errors import CaptureError
-from shards.format import RunHeader
+from shards.format import RunHeader, tap_layers
+from shards.rows import table_sample
 from shards.run import Location, as_location
-from shards.stream import row_sample
 
 log = logging.getLogger(__name__)
 PREFIX = "online-consumed-"
@@ -139,11 +140,8 @@ class OnlineStream(IterableDataset):
                  layers: Sequence[int] | None = None, final: bool = True, topk: bool = True,
                  poll_s: float = 0.5, timeout_s: float | None = None):
         self.endpoint, self.location, self.header, self.rank = endpoint, as_location(run), header, rank
-        taps = list(header.tap_layers)
-        wanted = taps if layers is None else [int(k) for k in layers]
-        if [k for k in wanted if k not in taps] or not wanted:
-            raise CaptureError(f"no tap(s) {[k for k in wanted if k not in taps] or wanted} in this run; it stores taps {taps}")
-        self.taps_layers = tuple(wanted)
+        self.columns = header.layout.columns_for(layers, final)  # the state columns decoded
+        self.taps_layers = tap_layers(self.columns)
         self.final_kind = header.final_kind if final else None
         self.topk = header.topk if topk else 0
         self.poll_s, self.timeout_s = poll_s, timeout_s
@@ -226,8 +224,7 @@ class OnlineStream(IterableDataset):
             for row, sid in enumerate(table.column("sample_id").to_pylist()):
                 if sid in skip:
                     continue
-                yield row_sample(table, row, self.taps_layers, self.header.argmax, self.final_kind is not None,
-                                 self.topk)
+                yield table_sample(table, row, self.columns, self.topk)
 
     def ack(self, sample_ids: Sequence[str]) -> None:
         """Record that this rank trained on ``sample_ids`` (call after the checkpoint that covers them is

@@ -29,8 +29,9 @@ from ray.data.block import BlockMetadata
 from common.errors import CaptureError
 from shards import manifest as manifest_mod
 from shards.format import RunHeader
+from shards.rows import table_sample
 from shards.run import Location, as_location
-from shards.stream import SPLITS, in_split, row_sample
+from shards.stream import SPLITS, in_split
 
 
 class ShardDatasource(Datasource):
@@ -77,6 +78,8 @@ def read_run(run: str | os.PathLike | Location, *, split: str = "all", heldout_f
 def samples(table: pa.Table, header: RunHeader) -> list[dict]:
     """A ``pyarrow`` batch of :func:`read_run` as :class:`shards.stream.ShardStream` sample dicts: ids
     int64 ``[T]``, mask bool ``[T]``, argmax int64 ``[T]``, taps bf16 ``[T, L, H]``, final ``[T, H]``,
-    ``topk_ids`` int64 / ``topk_logprobs`` float32 ``[T, K]`` (``--topk`` runs)."""
-    return [row_sample(table, i, header.tap_layers, header.argmax, header.final_kind is not None, header.topk)
-            for i in range(table.num_rows)]
+    ``topk_ids`` int64 / ``topk_logprobs`` float32 ``[T, K]`` (``--topk`` runs): every tap and state
+    ``header`` names, decoded by :func:`shards.rows.table_sample` in the layout of the batch's own header
+    (Ray Data keeps the schema metadata)."""
+    columns = header.layout.columns_for()
+    return [table_sample(table, i, columns, header.topk) for i in range(table.num_rows)]

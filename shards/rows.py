@@ -2,15 +2,17 @@
 :func:`read_row` decodes a row of a shard table back into the same :class:`Row` (its declared inverse:
 ``read_row(record_batch(schema, rows), i) == rows[i]``, bit for bit for lossless codecs; tested).
 
-Every reader decodes rows here: the stream (:mod:`shards.stream`), recode, ``shards head``, export and
-Ray Data. A state cell alone decodes with :func:`state_tensor`; a row's top-K cells with :func:`topk_arrays`.
+Every reader decodes rows here, with the cell layout of the run's header (:class:`shards.format.CellLayout`):
+recode, ``shards head`` and the tools by :func:`read_row`; the training samples (the contract of
+:mod:`shards.stream`: ``ShardStream``, ``OnlineStream``, the HF ``datasets`` transform, export, Ray Data) by
+the one sample decoder :func:`decode_sample` (over a shard table: :func:`table_sample`). A state cell alone
+decodes with :func:`state_tensor`; a row's top-K cells with :func:`topk_arrays`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -19,9 +21,7 @@ import zstandard
 
 from shards import codecs
 from shards import topk as topk_mod
-from shards.format import METADATA_KEY, STATE_TYPE, FormatError
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+from shards.format import FINAL, STATE_TYPE, CellLayout, FormatError, layout_of_schema, tap_layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,12 +75,14 @@ def _list_array(arrays: Sequence[np.ndarray], value_type: pa.DataType) -> pa.Arr
 
 
 def record_batch(schema: pa.Schema, rows: Sequence[Row], encode: Callable | None = None) -> pa.RecordBatch:
-    """Rows → one Arrow record batch with ``schema``'s columns (:func:`shards.format.schema`). ``encode``
-    maps a list of ``[T, H]`` tensors to their cells (default: the run codec, one thread). Raises
-    ValueError for a row whose top-K arrays are missing or not ``[T, K]`` when the schema has them."""
-    head = json.loads(schema.metadata[METADATA_KEY])
-    codec, check, version = head["codec"], cell_check(schema), head.get("format_version")
-    encode = encode or (lambda tensors: [codecs.encode(codec, t, check=check, format_version=version) for t in tensors])
+    """Rows → one Arrow record batch with ``schema``'s columns (:func:`shards.format.schema`), its state
+    cells in the layout of the header in ``schema`` (:func:`shards.format.layout_of_schema`). ``encode``
+    maps a list of ``[T, H]`` tensors to their cells (default: that layout's, one thread; the writers pass
+    a :class:`shards.writer.CellEncoder` of the same layout). Raises ValueError for a row whose top-K
+    arrays are missing or not ``[T, K]`` when the schema has them, FormatError for a schema without a
+    header."""
+    layout = layout_of_schema(schema)
+    encode = encode or (lambda tensors: [layout.encode(t) for t in tensors])
     cols: dict[str, pa.Array] = {
         "sample_id": pa.array([r.sample_id for r in rows], pa.string()),
         "source": pa.array([r.source for r in rows], pa.string()),
@@ -91,10 +93,10 @@ def record_batch(schema: pa.Schema, rows: Sequence[Row], encode: Callable | None
         "num_loss_tokens": pa.array([r.num_loss_tokens for r in rows], pa.int32()),
         "token_sha256": pa.array([r.token_sha256 for r in rows], pa.string()),
     }
-    if "argmax" in schema.names:
+    if layout.argmax:
         cols["argmax"] = _list_array([r.argmax for r in rows], pa.int32())
-    if topk_mod.IDS in schema.names:
-        k = json.loads(schema.metadata[METADATA_KEY])["topk"]
+    if layout.topk:
+        k = layout.topk
         for r in rows:
             if r.topk_ids is None or r.topk_logprobs is None or r.topk_ids.shape != (r.num_tokens, k) \
                     or r.topk_logprobs.shape != (r.num_tokens, k):
@@ -105,18 +107,15 @@ def record_batch(schema: pa.Schema, rows: Sequence[Row], encode: Callable | None
     if "finish_reasons" in schema.names:
         reasons = [None if r.finish_reasons is None else list(r.finish_reasons) for r in rows]
         cols["finish_reasons"] = pa.array(reasons, pa.list_(pa.string()))
-    for name in schema.names:
-        if schema.field(name).type == STATE_TYPE:
-            cols[name] = pa.array(encode([r.states[name] for r in rows]), type=STATE_TYPE)
+    for name in layout.columns:
+        cols[name] = pa.array(encode([r.states[name] for r in rows]), type=STATE_TYPE)
     return pa.RecordBatch.from_arrays([cols[n] for n in schema.names], schema=schema)
 
 
 def cell_check(schema: pa.Schema) -> str | None:
-    """The checksum this schema's state cells end with (its state fields' ``check``: ``xxh3_64`` from
-    format 1.4, ``crc32`` in 1.3), or None."""
-    checks = {(f.metadata or {}).get(b"check") for f in schema if f.type == STATE_TYPE}
-    check = next(iter(checks - {None}), None)
-    return check.decode() if check else None
+    """The checksum this schema's state cells end with (:attr:`shards.format.CellLayout.check`:
+    ``xxh3_64`` from format 1.4, ``crc32`` in 1.3), or None."""
+    return layout_of_schema(schema).check
 
 
 def state_columns(table: pa.Table | pa.RecordBatch) -> list[str]:
@@ -125,39 +124,43 @@ def state_columns(table: pa.Table | pa.RecordBatch) -> list[str]:
 
 
 def state_tensor(table: pa.Table | pa.RecordBatch, column: str, row: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """States of ``column`` for ``row``: a ``[T, H]`` tensor of the recorded dtype (bf16 or fp16), decoded
-    by the recorded codec (:mod:`shards.codecs`) straight from the Arrow buffer (no widening to float32,
-    no per-element Python); written into ``out`` when given (e.g. ``sample[:, l]`` of a ``[T, L, H]``
-    sample, :func:`shards.codecs.decode`). ``table`` must include ``num_tokens``. Raises FormatError without it,
-    ValueError for a cell that does not decode to ``[T, H]``, and FormatError for a damaged cell (its
-    checksum, format 1.3 on, or a zstd frame's checksum, 1.2 on, fails)."""
-    meta = table.schema.field(column).metadata
-    hidden = int(meta[b"shape"].decode().strip("[]").split(",")[1])
+    """States of ``column`` for ``row``: a ``[T, H]`` tensor of the run's dtype (bf16 or fp16), decoded in
+    the cell layout of the header in ``table``'s schema (:func:`shards.format.layout_of_schema`: codec,
+    checksum) straight from the Arrow buffer (no widening to float32, no per-element Python); written into
+    ``out`` when given (e.g. ``sample[:, l]`` of a ``[T, L, H]`` sample, :func:`shards.codecs.decode`).
+    ``table`` must include ``num_tokens``. Raises FormatError without it or without a header, ValueError
+    for a cell that does not decode to ``[T, H]``, and FormatError for a damaged cell (its checksum, format
+    1.3 on, or a zstd frame's checksum, 1.2 on, fails)."""
+    layout = layout_of_schema(table.schema)
     if "num_tokens" not in table.column_names:
         raise FormatError(f"decoding {column} needs the num_tokens column; read it too")
     tokens = table.column("num_tokens")[row].as_py()
-    cell = table.column(column)[row].as_buffer()
+    return _decode_state(layout, column, table.column(column)[row].as_buffer(), tokens, row, out)
+
+
+def _decode_state(layout: CellLayout, column: str, cell, tokens: int, row: int | None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """:meth:`CellLayout.decode` of ``column``'s cell; with ``row`` (a shard table's row), a damaged cell
+    raises FormatError naming column and row, else the codec's own error (CellError, ZstdError)."""
     try:
-        return codecs.decode(meta[b"codec"].decode(), cell, tokens, hidden, DTYPES[meta[b"dtype"].decode()],
-                             check=meta[b"check"].decode() if b"check" in meta else None, out=out)
+        return layout.decode(cell, tokens, out=out)
     except (codecs.CellError, zstandard.ZstdError) as e:  # the cell's checksum (1.3 on), a frame's checksum (1.2)
+        if row is None:
+            raise
         raise FormatError(f"{column} of row {row} does not decode ({e}): the shard is damaged; "
                           "`capture shards verify` names the file") from None
 
 
 def topk_arrays(table: pa.Table | pa.RecordBatch, row: int, k: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """The top-K cells of ``row``: (int32 ``[T, K]`` ids, float32 ``[T, K]`` log-probabilities), or None
-    when the table has no top-K columns. ``k``: K (default: the ``topk_ids`` field's metadata, else the
-    run header in the schema metadata). T is the row's token count (from ``input_ids``). Raises
-    ValueError for a cell that does not decode to ``[T, K]``."""
+    when the table has no top-K columns. ``k``: K (default: the run header in the schema metadata,
+    :attr:`shards.format.CellLayout.topk`). T is the row's token count (from ``input_ids``). Raises
+    ValueError for a cell that does not decode to ``[T, K]``, FormatError when ``k`` is None and the
+    schema has no header."""
     if topk_mod.IDS not in table.column_names:
         return None
     if k is None:
-        meta = table.schema.field(topk_mod.IDS).metadata or {}
-        if b"k" in meta:
-            k = int(meta[b"k"])
-        else:
-            k = int(json.loads((table.schema.metadata or {})[METADATA_KEY])["topk"])
+        k = layout_of_schema(table.schema).topk
     tokens = len(table.column("input_ids")[row].values) if "input_ids" in table.column_names else None
     ids = topk_mod.decode_ids(table.column(topk_mod.IDS)[row].as_buffer(), k, tokens)
     values = topk_mod.decode_logprobs(table.column(topk_mod.LOGPROBS)[row].as_buffer(), k, tokens)
@@ -204,3 +207,54 @@ def read_row(table: pa.Table | pa.RecordBatch, i: int, states: Sequence[str] | N
         topk_ids=None if top is None else top[0],
         topk_logprobs=None if top is None else top[1],
     )
+
+
+def decode_sample(layout: CellLayout, value: Callable[[str], Any], columns: Sequence[str], topk: int = 0,
+                  row: int | None = None) -> dict:
+    """One row as a training sample, the contract of :mod:`shards.stream` (every sample reader's one
+    decoder: ``ShardStream``, ``OnlineStream``, the HF ``datasets`` transform, export, Ray Data)::
+
+        {"sample_id": str, "source": str, "input_ids": int64 [T], "loss_mask": bool [T],
+         "argmax": int64 [T] (when layout.argmax), "taps": [T, L, H] (layout.dtype), "final": [T, H] (when asked),
+         "topk_ids": int64 [T, K], "topk_logprobs": float32 [T, K] (when topk)}
+
+    ``layout``: the cell layout the row was written in; ``value(column)``: the row's value of a column
+    (strings as ``str``, ``input_ids`` / ``loss_mask`` / ``argmax`` as sequences: numpy arrays or lists,
+    cells as buffers: ``pyarrow.Buffer`` or ``bytes``); ``columns``: the state columns to decode
+    (:meth:`shards.format.CellLayout.columns_for`: the taps in order, each decoded straight into its
+    slice of ``taps``, then ``final`` if asked); ``topk``: K of the top-K cells to decode (0: none).
+    T is ``len(input_ids)``. ``row``: the row of a shard table, named when a damaged cell raises
+    FormatError (None: the codec's CellError / ``zstandard.ZstdError`` as they are). Raises ValueError
+    for a cell that does not decode to ``[T, H]`` (``[T, K]``)."""
+    ids = np.asarray(value("input_ids"), dtype=np.int64)
+    tokens = len(ids)
+    out = {"sample_id": value("sample_id"), "source": value("source"), "input_ids": torch.from_numpy(ids),
+           "loss_mask": torch.from_numpy(np.asarray(value("loss_mask"), dtype=np.bool_))}
+    if layout.argmax:
+        out["argmax"] = torch.from_numpy(np.asarray(value("argmax"), dtype=np.int64))
+    taps = [c for c in columns if tap_layer(c) is not None]
+    out["taps"] = torch.empty(tokens, len(taps), layout.hidden_size, dtype=layout.dtype)
+    for i, c in enumerate(taps):  # each tap decodes straight into its slice of the sample: no stacking copy
+        _decode_state(layout, c, value(c), tokens, row, out=out["taps"][:, i])
+    if FINAL in columns:
+        out["final"] = _decode_state(layout, FINAL, value(FINAL), tokens, row)
+    if topk:
+        out[topk_mod.IDS] = torch.from_numpy(topk_mod.decode_ids(value(topk_mod.IDS), topk, tokens).astype(np.int64))
+        out[topk_mod.LOGPROBS] = torch.from_numpy(topk_mod.decode_logprobs(value(topk_mod.LOGPROBS), topk, tokens))
+    return out
+
+
+def table_sample(table: pa.Table | pa.RecordBatch, row: int, columns: Sequence[str], topk: int = 0) -> dict:
+    """Row ``row`` of a shard table (a shard, an online payload, a Ray Data batch) as a training sample:
+    :func:`decode_sample` in the layout of the header in the table's schema. Raises FormatError for a
+    schema without a header or a damaged cell (naming column and row), ValueError as :func:`decode_sample`."""
+
+    def value(name: str):
+        scalar = table.column(name)[row]
+        if pa.types.is_list(scalar.type):
+            return scalar.values.to_numpy(zero_copy_only=False)
+        if pa.types.is_binary(scalar.type) or pa.types.is_large_binary(scalar.type):
+            return scalar.as_buffer()
+        return scalar.as_py()
+
+    return decode_sample(layout_of_schema(table.schema), value, columns, topk, row)

@@ -15,8 +15,11 @@ convention of ``argmax``: ``topk_ids[t, 0] == argmax[t]``) with ``logit - logsum
 float32; ``exp(topk_logprobs)`` are probabilities, ``1 - exp(topk_logprobs).sum(-1)`` the tail mass
 outside the top K (see :mod:`shards.topk`).
 
-States keep the run's dtype (bf16; fp16 for engines that give fp16): each cell is decoded by
-:func:`shards.rows.state_tensor` straight from the Arrow buffer, never widened to float32.
+States keep the run's dtype (bf16; fp16 for engines that give fp16): each cell is decoded in the cell
+layout of its shard's header (:class:`shards.format.CellLayout`) straight from the Arrow buffer, never
+widened to float32, by the one sample decoder every reader of this contract shares
+(:func:`shards.rows.decode_sample`: this stream, :class:`shards.online.OnlineStream`, the HF ``datasets``
+transform, export, Ray Data).
 ``taps[:, i]`` is tap ``taps_layers[i]``, the output of 0-based decoder layer ``taps_layers[i]`` (HF
 ``hidden_states[k+1]``, vLLM aux id ``k+1``; see docs/conventions.md).
 
@@ -90,9 +93,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from common.errors import CaptureError
 from shards import manifest as manifest_mod
 from shards import retain
-from shards.format import FINAL, RunHeader, tap_column
-from shards.rows import DTYPES, read_row, state_tensor, topk_arrays, with_num_tokens
-from shards.topk import IDS as TOPK_IDS, LOGPROBS as TOPK_LOGPROBS
+from shards.format import RunHeader, tap_layers
+from shards.rows import table_sample
 from shards.run import Location, as_location
 
 log = logging.getLogger(__name__)
@@ -115,34 +117,6 @@ def in_split(sample_id: str, split: str, heldout_fraction: float) -> bool:
     if split not in SPLITS:
         raise CaptureError(f"unknown split {split!r}; one of {', '.join(SPLITS)}")
     return (heldout_score(sample_id) < heldout_fraction) == (split == "heldout")
-
-
-def row_sample(table: pa.Table | pa.RecordBatch, row: int, taps_layers: Sequence[int], argmax: bool,
-               final: bool, topk: int = 0) -> dict:
-    """Row ``row`` of a shard table as a sample dict (the module docstring's contract), decoded by
-    :func:`shards.rows.read_row` and :func:`shards.rows.state_tensor`: taps ``taps_layers`` in that order,
-    each decoded straight into its slice of the ``[T, L, H]`` sample, ``argmax``
-    and ``final`` included when asked, the top-K arrays when ``topk`` (the run's K) is not 0."""
-    table = with_num_tokens(table)
-    r = read_row(table, row, states=[], topk=False)
-    out = {"sample_id": r.sample_id, "source": r.source,
-           "input_ids": torch.from_numpy(r.input_ids.astype("int64")),
-           "loss_mask": torch.from_numpy(r.loss_mask)}
-    if argmax:
-        out["argmax"] = torch.from_numpy(r.argmax.astype("int64"))
-    columns = [tap_column(k) for k in taps_layers]
-    meta = table.schema.field(columns[0]).metadata
-    hidden = int(meta[b"shape"].decode().strip("[]").split(",")[1])
-    out["taps"] = torch.empty(r.num_tokens, len(columns), hidden, dtype=DTYPES[meta[b"dtype"].decode()])
-    for i, c in enumerate(columns):  # each tap decodes straight into its slice of the sample: no stacking copy
-        state_tensor(table, c, row, out=out["taps"][:, i])
-    if final:
-        out["final"] = state_tensor(table, FINAL, row)
-    if topk:  # K from the header: a batch that lost the field metadata (Ray Data) decodes too
-        top_ids, top_values = topk_arrays(table, row, topk)
-        out[TOPK_IDS] = torch.from_numpy(top_ids.astype("int64"))
-        out[TOPK_LOGPROBS] = torch.from_numpy(top_values)
-    return out
 
 
 class ShardStream(IterableDataset):
@@ -190,12 +164,8 @@ class ShardStream(IterableDataset):
         # epoch, position, shard count: shared with DataLoader workers, persistent ones included (module docstring)
         self._shared = torch.tensor([0, 0, len(self._snapshot)], dtype=torch.int64).share_memory_()
         self._next = 0  # what this process yielded (in-process iteration; each worker counts its own)
-        taps = list(self.header.tap_layers)
-        wanted = taps if layers is None else [int(k) for k in layers]
-        missing = [k for k in wanted if k not in taps]
-        if missing or not wanted:
-            raise CaptureError(f"no tap(s) {missing or wanted} in this run; it stored taps {taps}")
-        self.taps_layers: tuple[int, ...] = tuple(wanted)
+        self.columns: tuple[str, ...] = self.header.layout.columns_for(layers, final)  # the state columns decoded
+        self.taps_layers: tuple[int, ...] = tap_layers(self.columns)
         self.final_kind: str | None = self.header.final_kind if final else None
         self.has_argmax: bool = self.header.argmax
         self.topk: int = self.header.topk if topk else 0
@@ -325,8 +295,9 @@ class ShardStream(IterableDataset):
             raise
 
     def sample(self, table: pa.Table, row: int) -> dict:
-        """Row ``row`` of a shard table as a sample dict (the module docstring's contract)."""
-        return row_sample(table, row, self.taps_layers, self.has_argmax, self.final_kind is not None, self.topk)
+        """Row ``row`` of a shard table as a sample dict (the module docstring's contract), decoded by
+        :func:`shards.rows.table_sample` in the layout of the shard's own header."""
+        return table_sample(table, row, self.columns, self.topk)
 
     # ---------------------------------------------------------------- epochs and resume
 

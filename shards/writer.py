@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import time
 import uuid
@@ -28,9 +27,8 @@ import pyarrow as pa
 import pyarrow.compute  # noqa: F401 - pa.compute in payload()
 import torch
 
-from shards import codecs
-from shards.format import METADATA_KEY
-from shards.rows import Row, cell_check, record_batch
+from shards.format import layout_of_schema
+from shards.rows import Row, record_batch
 from shards.run import Location, ShardSink, as_location
 
 
@@ -38,19 +36,16 @@ OPTIONS = pa.ipc.IpcWriteOptions(compression=None)  # cells are compressed by th
 
 
 class CellEncoder:
-    """``[T, H]`` tensors → cells of ``schema``'s codec (with its cell checksum), on ``threads`` threads
-    (zstd and numpy release the GIL)."""
+    """``[T, H]`` tensors → cells in the layout of the run header in ``schema``
+    (:func:`shards.format.layout_of_schema`: codec, cell checksum, int4 packing of the version that started
+    the run), on ``threads`` threads (zstd and numpy release the GIL)."""
 
     def __init__(self, schema: pa.Schema, threads: int = 1):
-        head = json.loads(schema.metadata[METADATA_KEY])
-        self.codec, self.version = head["codec"], head.get("format_version")  # a run keeps its version's layout
-        self.check = cell_check(schema)
+        self.layout = layout_of_schema(schema)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="encode") if threads > 1 else None
 
     def __call__(self, tensors: Sequence[torch.Tensor]) -> list[bytes]:
-        def encode(t: torch.Tensor) -> bytes:
-            return codecs.encode(self.codec, t, check=self.check, format_version=self.version)
-
+        encode = self.layout.encode
         return [encode(t) for t in tensors] if self.pool is None else list(self.pool.map(encode, tensors))
 
     def close(self) -> None:

@@ -145,10 +145,10 @@ def test_decode_into_a_tap_slice_of_a_sample(codec, real_states):
 
 
 def test_int4_packs_two_codes_a_byte_from_format_1_5_with_the_same_bits(real_states):
-    """Format 1.5 stores int4-b32 codes two a byte, 1.4 one a byte; both cells decode to the same bits: the
-    compiled nibble pass (shards.kernels) against torch's bf16 ``codes * scales`` of the 1.4 cell, on real
-    states; also where the pass cannot run (a block with a non-finite scale, H not a multiple of 32, rows
-    at odd positions, float16 output)."""
+    """Packed int4-b32 cells (format 1.5 on: CellLayout.packed) hold two codes a byte, unpacked ones (1.4)
+    one a byte; both cells decode to the same bits: the compiled nibble pass (shards.kernels) against
+    torch's bf16 ``codes * scales`` of the 1.4 cell, on real states; also where the pass cannot run (a
+    block with a non-finite scale, H not a multiple of 32, rows at odd positions, float16 output)."""
     def content(cell):
         return zstandard.frame_content_size(cell)
 
@@ -159,9 +159,9 @@ def test_int4_packs_two_codes_a_byte_from_format_1_5_with_the_same_bits(real_sta
     for x, where in cases:
         t, h = x.shape
         nb = -(-h // 32)
-        new, old = codecs.encode("int4-b32", x), codecs.encode("int4-b32", x, format_version="1.4")
+        new, old = codecs.encode("int4-b32", x), codecs.encode("int4-b32", x, packed=False)
         assert (content(new), content(old)) == (2 * t * nb + 16 * t * nb, 2 * t * nb + 32 * t * nb)
-        assert codecs.encode("int4-b32", x, format_version="1.5") == new
+        assert codecs.encode("int4-b32", x, packed=True) == new
         ref = codecs.decode("int4-b32", old, t, h)
         if where == "odd":  # a [T, H] view whose rows start at odd positions: the 16-bit pass
             got = codecs.decode("int4-b32", new, t, h, out=torch.empty(t, 3, h + 1, dtype=torch.bfloat16)[:, 1, :h])
