@@ -1,17 +1,35 @@
-"""One frozen dataclass configures a run; the CLI, a YAML file and Python callers all build it."""
+"""One frozen dataclass configures a run; the CLI, a YAML file and Python callers all build it.
+
+Each fixed list of values is declared once: the ``Literal`` types here, :data:`capture.targets.Final`,
+:data:`capture.chat.SpecialTextPolicy`, ``FilterConfig.overlength``, the codec and engine registries
+(:func:`choices` gathers them), and each engine option's declaration in :data:`capture.engines.REGISTRY`
+(its choices, bounds and default; the engine fields below take their defaults from it).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import re
+import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
+from capture.engines.registry import options as engine_options
 from common.errors import CaptureError
 from filters import FilterConfig
+
+if TYPE_CHECKING:
+    from capture.chat import SpecialTextPolicy
+    from capture.targets import Final
+
+Alternation = Literal["normalize", "skip"]
+Responses = Literal["dataset", "regenerate"]
+RegeneratePolicy = Literal["last", "every"]
+Executor = Literal["auto", "ray", "local"]
+_ENGINE = {o.name: o.default for o in engine_options()}  # each engine option's declared default
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.I)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
@@ -43,7 +61,7 @@ class RunConfig:
     dataset: str = "sharegpt"
     split: str = "train"
     layers: tuple[int, ...] | None = None
-    final: Literal["none", "post-norm", "pre-norm"] | None = None
+    final: Final | None = None
     argmax: bool = True
     topk: int = 0  # store the target's K largest next-token log-probabilities per position (0: none)
     limit: int | None = None
@@ -51,13 +69,13 @@ class RunConfig:
     sources: tuple[str, ...] = ()
     exclude_sources: tuple[str, ...] = ()
     source_caps: tuple[tuple[str, int], ...] = ()
-    alternation: Literal["normalize", "skip"] = "normalize"
+    alternation: Alternation = "normalize"
     chat_template: str | None = None  # file path overriding the tokenizer's template
     system_prompt: str | None = None
-    special_text: Literal["drop", "keep"] = "drop"
+    special_text: SpecialTextPolicy = "drop"
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()  # template variables, e.g. (("enable_thinking", False),)
-    responses: Literal["dataset", "regenerate"] = "dataset"  # regenerate: the target writes the answers
-    regenerate_policy: Literal["last", "every"] = "last"  # which assistant turns are regenerated
+    responses: Responses = "dataset"  # regenerate: the target writes the answers
+    regenerate_policy: RegeneratePolicy = "last"  # which assistant turns are regenerated
     temperature: float = 0.0  # regenerate sampling; 0 = greedy
     top_p: float = 1.0
     max_new_tokens: int = 512  # per regenerated turn
@@ -77,21 +95,20 @@ class RunConfig:
     ray_address: str | None = None  # None: start a local Ray instance
     # where replicas run: ray (actors, each its own process), local (one replica in the driver's process:
     # no Ray daemons), auto (local for one hf replica without ray_address/unit_timeout; capture.driver.executor_of)
-    executor: Literal["auto", "ray", "local"] = "auto"
+    executor: Executor = "auto"
     unit_timeout: float | None = None  # seconds a work unit may run before its replica counts as hung
     max_unit_attempts: int = 3  # failures of a unit before it is split (one record: quarantined)
-    engine: str = "auto"  # hf | vllm | exl3 | auto (vllm when installed and a GPU is visible, else hf)
-    # the hf engine's arithmetic: auto (the state dtype where the CPU computes it natively, else float32),
-    # float32, bfloat16, float16; states are stored in the target's dtype either way
-    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # the hf engine's device: auto (cuda when a CUDA device is visible, else cpu), cpu, cuda; GPUs per hf replica
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    gpus_per_replica: int | None = None  # None: 1 for a cuda hf replica
-    vllm_path: str = "auto"  # extract | hooks | auto; see capture.engines.vllm_paths
-    tp: int = 1  # vLLM tensor-parallel size (GPUs per replica)
-    max_model_len: int | None = None  # vLLM context length (None: the model's)
-    gpu_memory_utilization: float | None = None  # vLLM (None: vLLM's default)
-    vllm_args: tuple[tuple[str, Any], ...] = ()  # further vllm.LLM engine arguments, (key, value) pairs
+    engine: str = "auto"  # a name of capture.engines.NAMES; auto: vllm when installed and a GPU is visible, else hf
+    # the engines' own settings: each declared once, with its flag, choices, bounds, default and help, in
+    # capture.engines.REGISTRY (the plan refuses one given to an engine that does not take it)
+    compute_dtype: str = _ENGINE["compute_dtype"]  # hf (--dtype): the arithmetic; states keep the target's dtype
+    device: str = _ENGINE["device"]  # hf: auto, cpu, cuda
+    gpus_per_replica: int | None = _ENGINE["gpus_per_replica"]  # hf: GPUs per cuda replica (None: 1)
+    vllm_path: str = _ENGINE["vllm_path"]  # vllm: extract | hooks | auto; see capture.engines.vllm_paths
+    tp: int = _ENGINE["tp"]  # vllm: tensor-parallel size (GPUs per replica)
+    max_model_len: int | None = _ENGINE["max_model_len"]  # vllm: context length (None: the model's)
+    gpu_memory_utilization: float | None = _ENGINE["gpu_memory_utilization"]  # vllm (None: vLLM's default)
+    vllm_args: tuple[tuple[str, Any], ...] = _ENGINE["vllm_args"]  # vllm (--vllm-arg): further vllm.LLM arguments
     # rows rechecked at the end against an independent float32 HF forward (provenance.check); None: 8 for the
     # vllm and exl3 engines, 0 (off) for hf
     self_check: int | None = None
@@ -106,20 +123,26 @@ class RunConfig:
         _validate(self)
 
 
-_CHOICES = {
-    "final": (None, "none", "post-norm", "pre-norm"),
-    "alternation": ("normalize", "skip"),
-    "special_text": ("drop", "keep"),
-    "responses": ("dataset", "regenerate"),
-    "regenerate_policy": ("last", "every"),
-    "vllm_path": ("auto", "extract", "hooks"),
-    "compute_dtype": ("auto", "float32", "bfloat16", "float16"),
-    "executor": ("auto", "ray", "local"),
-    "device": ("auto", "cpu", "cuda"),
-}
-_INTS = {  # field: smallest allowed value (None allowed where the default is None)
+def choices() -> dict[str, tuple[str, ...]]:
+    """Every setting outside the engine options with a fixed list of values → that list, read from its one
+    declaration (the CLI's click choices and :class:`RunConfig`'s checks both use it; an engine option's
+    choices are in its declaration, :func:`capture.engines.options`). ``overlength`` is checked by
+    ``FilterConfig`` itself."""
+    from capture.chat import SpecialTextPolicy
+    from capture.engines import NAMES
+    from capture.targets import Final
+    from shards.codecs import CODECS
+
+    return {"final": typing.get_args(Final), "alternation": typing.get_args(Alternation),
+            "special_text": typing.get_args(SpecialTextPolicy), "responses": typing.get_args(Responses),
+            "regenerate_policy": typing.get_args(RegeneratePolicy), "executor": typing.get_args(Executor),
+            "overlength": typing.get_args(typing.get_type_hints(FilterConfig)["overlength"]),
+            "codec": tuple(CODECS), "engine": NAMES}
+
+
+_INTS = {  # field: smallest allowed value (None allowed where the default is None); engine options: their declarations
     "limit": 0, "skip": 0, "shard_size": 1, "batch_tokens": 1, "unit_tokens": 1, "first_unit_tokens": 1, "replicas": 1, "cpus_per_replica": 1,
-    "codec_threads": 1, "disk_reserve": 0, "self_check": 0, "gpus_per_replica": 1, "max_unit_attempts": 1, "max_new_tokens": 1, "seed": 0, "tp": 1, "max_model_len": 1,
+    "codec_threads": 1, "disk_reserve": 0, "self_check": 0, "max_unit_attempts": 1, "max_new_tokens": 1, "seed": 0,
     "retain": 1,
 }
 
@@ -135,15 +158,19 @@ def _validate(cfg: "RunConfig") -> None:
 
     if not isinstance(cfg.out, str) or not cfg.out.strip():
         bad("out", cfg.out, "a folder path")
-    from capture.engines import NAMES as engines
-    from shards.codecs import CODECS as codecs
-
-    for name, choices in {**_CHOICES, "codec": codecs, "engine": engines}.items():
-        if getattr(cfg, name) not in choices:
-            bad(name, getattr(cfg, name), "one of " + ", ".join(c for c in choices if c))
+    for name, allowed in choices().items():
+        if name in _FILTER_FIELDS:  # FilterConfig checks its own
+            continue
+        value = getattr(cfg, name)
+        if value not in allowed and not (value is None and _DEFAULTS[name] is None):
+            bad(name, value, "one of " + ", ".join(allowed))
+    for option in engine_options():
+        want = option.problem(getattr(cfg, option.name))
+        if want:
+            bad(option.name, getattr(cfg, option.name), want)
     for name, low in _INTS.items():
         value = getattr(cfg, name)
-        if not (value is None and name in ("limit", "cpus_per_replica", "max_model_len", "self_check", "gpus_per_replica", "retain")) and not (_is_int(value) and value >= low):
+        if not (value is None and _DEFAULTS[name] is None) and not (_is_int(value) and value >= low):
             bad(name, value, f"an integer >= {low}")
     from shards.topk import MAX_K
 
@@ -158,9 +185,6 @@ def _validate(cfg: "RunConfig") -> None:
     ce = cfg.commit_every
     if not (isinstance(ce, (int, float)) and not isinstance(ce, bool) and 0 < ce < float("inf")):
         bad("commit_every", ce, "a number of seconds > 0")
-    gmu = cfg.gpu_memory_utilization
-    if gmu is not None and not (isinstance(gmu, (int, float)) and not isinstance(gmu, bool) and 0 < gmu <= 1):
-        bad("gpu_memory_utilization", gmu, "a fraction in (0, 1]")
     if cfg.layers is not None and not all(_is_int(k) for k in cfg.layers):
         bad("layers", cfg.layers, "a list of integers")
     for name in ("sources", "exclude_sources"):
@@ -199,14 +223,14 @@ def _validate_responses(cfg: "RunConfig", bad) -> None:
         if not (isinstance(key, str) and key.isidentifier()) or key in _RESERVED_TEMPLATE_KWARGS:
             bad("chat_template_kwarg", key, "a template variable name (not an apply_chat_template argument)")
     if cfg.responses == "dataset":
-        defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
-        changed = [n for n in _REGENERATE_ONLY if getattr(cfg, n) != defaults[n]]
+        changed = [n for n in _REGENERATE_ONLY if getattr(cfg, n) != _DEFAULTS[n]]
         if changed:
             raise CaptureError(f"--{changed[0].replace('_', '-')} applies only to --responses regenerate")
 
 
 _FILTER_FIELDS = {f.name for f in dataclasses.fields(FilterConfig)}
 _RUN_FIELDS = {f.name for f in dataclasses.fields(RunConfig)}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig)}
 
 
 def from_mapping(values: dict[str, Any]) -> RunConfig:
@@ -237,8 +261,9 @@ def from_mapping(values: dict[str, Any]) -> RunConfig:
         flat["source_caps"] = _parse_caps(flat["source_caps"])
     if "chat_template_kwargs" in flat:
         flat["chat_template_kwargs"] = parse_pairs("chat-template-kwarg", flat["chat_template_kwargs"])
-    if "vllm_args" in flat:
-        flat["vllm_args"] = parse_pairs("vllm-arg", flat["vllm_args"])
+    for option in engine_options():
+        if option.multiple and option.name in flat:
+            flat[option.name] = parse_pairs(option.flag.lstrip("-"), flat[option.name])
     for key in ("shard_size", "batch_tokens", "unit_tokens", "disk_reserve"):
         if key in flat:
             flat[key] = parse_size(flat[key])
@@ -265,7 +290,7 @@ def _parse_caps(value) -> tuple[tuple[str, int], ...]:
 
 def parse_pairs(flag: str, value) -> tuple[tuple[str, Any], ...]:
     """``{"k": v}``, ``["k=v", ...]`` or ``"k=v"`` → ``(("k", v), ...)``, for ``--chat-template-kwarg``
-    and ``--vllm-arg``. A ``k=v`` value is parsed as JSON when it is JSON (``false`` → False, ``3`` → 3,
+    and the engines' repeatable options (``--vllm-arg``). A ``k=v`` value is parsed as JSON when it is JSON (``false`` → False, ``3`` → 3,
     ``{"a": 1}`` → dict), else kept as the string (``high`` → "high"). Raises CaptureError naming ``flag``."""
     if isinstance(value, dict):
         return tuple((str(k), v) for k, v in value.items())

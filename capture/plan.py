@@ -6,7 +6,8 @@ Nothing here writes: every user error is raised (CaptureError) before a file is 
   or extend: the same identity, arithmetic and dataset, its committed shards intact).
 - :func:`estimate`: ``--dry-run``: tokens and bytes, reading and filtering exactly as the run would.
 
-Engine rules come from the engine's declared :class:`capture.engines.base.Capabilities`, never from its name.
+Engine rules come from the engine's declared :class:`capture.engines.base.Capabilities` and options
+(:data:`capture.engines.REGISTRY`), never from its name.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import pyarrow.fs as pafs
 from capture.chat import ChatEncoder, load_encoder, packaged_template, tokenizer_sha256
 from capture.config import RunConfig
 from capture.data import DatasetRef, resolve_dataset
-from capture.engines import NAMES, EngineSpec, engine_class, engine_spec, resolve_engine, vllm_engine_args
+from capture.engines import (REGISTRY, EngineSpec, check_here, engine_class, engine_spec, resolve_engine, takers,
+                             vllm_engine_args)
+from capture.engines.registry import options as engine_options
 from capture.regenerate import responses_header
 from capture.summary import Summary
 from capture.targets import Taps, Target, make_taps, model_dir, resolve_target
@@ -50,30 +53,20 @@ class Prepared:
     engine_choice: str = ""  # which engine (and vLLM path) runs, and why: "vllm, extract path (auto: ...)"
 
 
-def _flag(option: str) -> str:
-    """The command-line flag of an engine option (``compute_dtype`` → ``--dtype``)."""
-    return {"vllm_args": "--vllm-arg", "compute_dtype": "--dtype"}.get(option, "--" + option.replace("_", "-"))
-
-
 def prepare(cfg: RunConfig) -> Prepared:
     """Resolve target, taps, dataset, model folder, tokenizer and run header (no engine loaded): every
     user error is raised here, before anything is written."""
-    given = {"compute_dtype": cfg.compute_dtype != "auto", "device": cfg.device != "auto",
-             "gpus_per_replica": cfg.gpus_per_replica is not None,
-             "vllm_path": cfg.vllm_path != "auto", "tp": cfg.tp != 1, "max_model_len": cfg.max_model_len is not None,
-             "gpu_memory_utilization": cfg.gpu_memory_utilization is not None, "vllm_args": bool(cfg.vllm_args)}
-    taken = {n: tuple(_flag(o) for o in engine_class(n).capabilities.options if given[o]) for n in ("hf", "vllm")}
-    name, why = resolve_engine(cfg.engine, taken["hf"], taken["vllm"])
+    # the engine options asked for (each differs from its declared default), and per engine the flags of them it takes
+    given = [o for o in engine_options() if o.given(getattr(cfg, o.name))]
+    name, why = resolve_engine(cfg.engine, {n: tuple(o.flag for o in given if o in entry.options)
+                                            for n, entry in REGISTRY.items()})
     ran = run_engine(cfg.out) if cfg.engine == "auto" else None
     if ran and ran != name:  # the states of one run come from one engine
         name, why = ran, f"the run in {cfg.out} was started with it; a resume keeps its engine"
     if cfg.topk and not engine_class(name).capabilities.topk:  # an engine that cannot give top-K, wherever it runs
-        takers = " or ".join(n for n in NAMES[1:] if engine_class(n).capabilities.topk)
-        raise CaptureError(f"--topk {cfg.topk}: the {name} engine cannot give top-K log-probabilities; use the {takers} engine")
-    if name == "exl3":  # then one that cannot run here, before any loading
-        from capture.engines.exl3 import check_exl3
-
-        check_exl3()
+        able = " or ".join(n for n in REGISTRY if engine_class(n).capabilities.topk)
+        raise CaptureError(f"--topk {cfg.topk}: the {name} engine cannot give top-K log-probabilities; use the {able} engine")
+    check_here(name)  # then an engine that cannot run here (exl3 without CUDA), before any loading
     target = resolve_target(cfg.target)
     taps = make_taps(target, cfg.layers, cfg.final)
     dataset = resolve_dataset(cfg.dataset, cfg.split)
@@ -88,15 +81,15 @@ def prepare(cfg: RunConfig) -> Prepared:
             raise CaptureError(f"--topk {cfg.topk} is more than the target's vocabulary ({vocab} tokens)")
     vllm_args = vllm_engine_args(cfg.tp, cfg.max_model_len, cfg.gpu_memory_utilization, cfg.vllm_args)
     caps = engine_class(name).capabilities
-    foreign = [name for name, set_ in given.items() if set_ and name not in caps.options]
+    foreign = [o for o in given if o.name not in caps.options]
     if foreign:  # refused, not silently ignored
-        takers = [n for n in NAMES[1:] if foreign[0] in engine_class(n).capabilities.options]
         why = f" (--engine auto: {why})" if cfg.engine == "auto" else ""
-        raise CaptureError(f"{_flag(foreign[0])} applies only to the {' and '.join(takers)} engine; this run uses {name}{why}")
+        raise CaptureError(f"{foreign[0].flag} applies only to the {' and '.join(takers(foreign[0].name))} engine; "
+                           f"this run uses {name}{why}")
     engine = engine_spec(name, cfg.vllm_path, vllm_args, model_cfg, cfg.compute_dtype,
                          caps.state_dtype or target.dtype, cfg.device, cfg.gpus_per_replica, taps.final != "none")
     if cfg.responses == "regenerate" and not caps.generates:
-        makers = " or ".join(n for n in NAMES[1:] if engine_class(n).capabilities.generates)
+        makers = " or ".join(n for n in REGISTRY if engine_class(n).capabilities.generates)
         raise CaptureError(f"--engine {engine.name} captures prefills only; --responses regenerate needs the {makers} engine")
     header = shard_format.header(
         target={"name": target.name, "source": target.source, "revision": target.revision,
@@ -120,8 +113,7 @@ def prepare(cfg: RunConfig) -> Prepared:
     if limit:  # vLLM rejects prompts beyond its max_model_len (--max-model-len or --vllm-arg max_model_len=)
         context = min(context or limit, limit)
     return Prepared(target, taps, str(mdir), encoder, header, context, dataset, engine,
-                    f"{name}" + (f", {engine.vllm_path} path" if name == "vllm" else "")
-                    + f" ({'auto: ' if cfg.engine == 'auto' else ''}{why})")
+                    f"{engine.label} ({'auto: ' if cfg.engine == 'auto' else ''}{why})")
 
 
 def run_engine(out: str) -> str | None:
@@ -142,8 +134,8 @@ def resume_arithmetic(cfg: RunConfig, prep: Prepared, existing: manifest_mod.Man
     ``engine.compute_dtype``; absent: the state dtype), whatever this machine's ``auto`` would pick, so the
     states of one run come from one arithmetic. A ``--dtype`` given explicitly must be the run's: another
     raises CaptureError naming both."""
-    if existing.header is None or prep.engine.name != "hf" or existing.header.engine.get("name") != "hf":
-        return prep
+    if existing.header is None or existing.header.engine.get("name") != prep.engine.name:
+        return prep  # another engine: check_identity refuses it; an engine without compute_dtype: None == None
     ran = existing.header.engine.get("compute_dtype")
     if ran == prep.engine.compute_dtype:
         return prep

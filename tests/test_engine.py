@@ -279,14 +279,115 @@ def test_engine_auto_choice():
     from capture.engines import resolve_engine
 
     assert resolve_engine("hf", cuda=True) == ("hf", "asked for")
-    assert resolve_engine("auto", hf_options=("--dtype",), cuda=True) == ("hf", "--dtype given: an hf-engine option")
+    assert resolve_engine("auto", {"hf": ("--dtype",)}, cuda=True) == ("hf", "--dtype given: an hf-engine option")
+    assert resolve_engine("auto", {"hf": ("--dtype",), "vllm": ("--tp",)}, cuda=True)[0] == "hf"  # hf's win
     if importlib.util.find_spec("vllm") is None:
         assert resolve_engine("auto", cuda=True) == ("hf", "vLLM is not installed")
         return
     assert resolve_engine("auto", cuda=True)[0] == "vllm"
     name, why = resolve_engine("auto", cuda=False)
     assert name == "hf" and "no faster end to end than the hf engine (911 vs 876 s" in why
-    assert resolve_engine("auto", vllm_options=("--tp",), cuda=False) == ("vllm", "--tp given: a vLLM option")
+    assert resolve_engine("auto", {"vllm": ("--tp",)}, cuda=False) == ("vllm", "--tp given: a vLLM option")
+
+
+def _run_params() -> dict:
+    from cli import run
+
+    return {p.name: p for p in run.params}
+
+
+def test_every_engine_option_is_one_declaration_a_flag_and_a_config_field():
+    """An engine option is declared once (capture.engines.REGISTRY): ``capture run`` has its flag with the
+    declared type, choices, help and repeatability; RunConfig has its field with the declared default; the
+    engine class's capabilities name it; the plan's refusal names the engines that declare it."""
+    import dataclasses
+
+    import click
+    from click.testing import CliRunner
+
+    from capture.config import RunConfig
+    from capture.engines import REGISTRY, engine_class, option_names, options, takers
+    from cli import main
+
+    declared = options()
+    assert [o.flag for o in declared] == ["--dtype", "--device", "--gpus-per-replica", "--vllm-path", "--tp",
+                                          "--max-model-len", "--gpu-memory-utilization", "--vllm-arg"]
+    params, fields = _run_params(), {f.name: f for f in dataclasses.fields(RunConfig)}
+    help_text = CliRunner().invoke(main, ["run", "--help"], terminal_width=200).output
+    for opt in declared:
+        param = params[opt.name]
+        assert param.opts == [opt.flag] and param.multiple == opt.multiple and param.help == opt.help
+        if opt.choices:
+            assert isinstance(param.type, click.Choice) and tuple(param.type.choices) == opt.choices
+            assert f"{opt.flag} [{'|'.join(opt.choices)}]" in help_text
+        else:
+            assert param.type == click.types.convert_type(opt.type) and opt.flag in help_text
+        assert fields[opt.name].default == opt.default
+        assert takers(opt.name) == tuple(n for n in REGISTRY if opt.name in option_names(n))
+    for name in REGISTRY:
+        assert engine_class(name).capabilities.options == option_names(name)
+    assert takers("tp") == ("vllm",) and takers("compute_dtype") == ("hf",) and option_names("exl3") == ()
+
+
+@pytest.mark.parametrize("setting, value, message", [
+    ("device", "gpu", "device: 'gpu' is not one of auto, cpu, cuda"),
+    ("compute_dtype", "fp8", "compute-dtype: 'fp8' is not one of auto, float32, bfloat16, float16"),
+    ("vllm_path", "fast", "vllm-path: 'fast' is not one of auto, extract, hooks"),
+    ("tp", 0, "tp: 0 is not an integer >= 1"),
+    ("max_model_len", 2.5, "max-model-len: 2.5 is not an integer >= 1"),
+    ("gpu_memory_utilization", 1.5, "gpu-memory-utilization: 1.5 is not a number in (0, 1]"),
+    ("gpus_per_replica", True, "gpus-per-replica: True is not an integer >= 1"),
+])
+def test_run_config_checks_engine_options_against_their_declarations(setting, value, message):
+    """RunConfig (Python, YAML, CLI alike) refuses an engine option's value from its declaration: the
+    declared choices, bounds and type, in the message."""
+    import re
+
+    from capture.config import RunConfig, from_mapping
+    from capture.engines import option
+    from common.errors import CaptureError
+
+    if option(setting).choices:
+        assert ", ".join(option(setting).choices) in message
+    with pytest.raises(CaptureError) as err:
+        RunConfig("out", **{setting: value})
+    assert str(err.value) == message
+    with pytest.raises(CaptureError, match=re.escape(message)):
+        from_mapping({"out": "out", setting: value})
+    ok = RunConfig("out", tp=2, max_model_len=None, gpu_memory_utilization=0.5, device="cpu", compute_dtype="float32")
+    assert ok.tp == 2 and ok.device == "cpu"
+    pairs = from_mapping({"out": "out", "vllm_args": ["enforce_eager=true", "seed=3"]}).vllm_args
+    assert pairs == (("enforce_eager", True), ("seed", 3))
+    with pytest.raises(CaptureError, match="--vllm-arg wants KEY=VALUE"):
+        from_mapping({"out": "out", "vllm_args": ["enforce_eager"]})
+
+
+def test_each_choice_list_is_declared_once():
+    """Every ``click.Choice`` of ``capture run`` shows the list RunConfig checks: the run settings' from
+    capture.config.choices (each from its one declaration), the engine options' from their declarations."""
+    import typing
+
+    import click
+
+    from capture.chat import SpecialTextPolicy
+    from capture.config import RunConfig, choices
+    from capture.engines import NAMES, options
+    from capture.targets import Final
+    from common.errors import CaptureError
+    from shards.codecs import CODECS
+
+    declared = choices()
+    assert declared["final"] == typing.get_args(Final) and declared["special_text"] == typing.get_args(SpecialTextPolicy)
+    assert declared["codec"] == CODECS and declared["engine"] == NAMES
+    engine = {o.name: o.choices for o in options() if o.choices}
+    listed = {name: tuple(p.type.choices) for name, p in _run_params().items() if isinstance(p.type, click.Choice)}
+    assert set(listed) == {*declared, *engine}
+    for name, values in listed.items():
+        assert values == (engine[name] if name in engine else declared[name]), name
+    for name, values in declared.items():
+        if name != "overlength":  # FilterConfig's own check
+            with pytest.raises(CaptureError, match=f"is not one of {', '.join(values)}"):
+                RunConfig("out", **{name: "bogus"})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU choice")

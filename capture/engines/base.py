@@ -1,13 +1,18 @@
-"""The engine contract (:class:`Engine`, :class:`Capabilities`) and what every engine returns: captured
-states of a prefill, and generated answers."""
+"""The engine contract (:class:`Engine`, :class:`Capabilities`), the run settings an engine takes
+(:class:`EngineOption`) and what every engine returns: captured states of a prefill, and generated answers.
+
+Light on purpose (no torch or numpy at import): the CLI and :class:`capture.config.RunConfig` read the
+engines' option declarations from :mod:`capture.engines` without loading an engine.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Sequence
 
-import numpy as np
-import torch
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 
 @dataclasses.dataclass
@@ -42,6 +47,72 @@ class Generated:
     finish_reason: str
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOption:
+    """A run setting only some engines take, declared once where the engine is registered
+    (:data:`capture.engines.REGISTRY`): the ``RunConfig`` field and YAML key, the ``capture run`` flag, its
+    help, and what values it takes. :class:`capture.config.RunConfig` validates it with :meth:`problem`,
+    the CLI makes its click option from it, and :func:`capture.plan.prepare` refuses it, when
+    :meth:`given`, for an engine that does not declare it.
+
+    ``name``: the ``RunConfig`` field (and YAML key). ``flag``: the command-line flag (``--dtype`` for
+    ``compute_dtype``). ``type``: ``str``, ``int`` or ``float`` (of each value). ``default``: the field's
+    default (None: left to the engine); the option counts as given when the value differs from it.
+    ``choices``: the values it takes, when a fixed list. ``minimum`` / ``maximum``: bounds of an ``int`` or
+    ``float`` (``exclusive_minimum``: the minimum itself is refused). ``multiple``: a repeatable
+    ``KEY=VALUE`` flag, stored as ``(key, value)`` pairs (:func:`capture.config.parse_pairs`)."""
+
+    name: str
+    flag: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: bool = False
+    multiple: bool = False
+
+    def given(self, value) -> bool:
+        """Whether ``value`` asks for something (differs from the default)."""
+        return value != self.default
+
+    def problem(self, value) -> str | None:
+        """What ``value`` should be when it is not a value of this option (``"one of auto, cpu, cuda"``,
+        ``"an integer >= 1"``), else None. None is a value where the default is None."""
+        if value is None and self.default is None:
+            return None
+        if self.multiple:
+            ok = isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
+                                                  for p in value)
+            return None if ok else "KEY=VALUE pairs"
+        if self.choices is not None:
+            return None if value in self.choices else "one of " + ", ".join(self.choices)
+        if self.type is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+            want = "an integer"
+        elif self.type is float:
+            ok, want = _is_number(value), "a number"
+        else:
+            return None if isinstance(value, self.type) else f"a {self.type.__name__}"
+        lo, hi = self.minimum, self.maximum
+        if ok and lo is not None:
+            ok = value > lo if self.exclusive_minimum else value >= lo
+        if ok and hi is not None:
+            ok = value <= hi
+        if ok:
+            return None
+        if lo is not None and hi is not None:
+            return f"{want} in {'(' if self.exclusive_minimum else '['}{lo}, {hi}]"
+        if lo is not None:
+            return f"{want} {'>' if self.exclusive_minimum else '>='} {lo}"
+        return want if hi is None else f"{want} <= {hi}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
     """What an engine can do, declared by the engine class (``capabilities``); the driver and replicas
@@ -54,8 +125,9 @@ class Capabilities:
     conventions it captures. ``topk``: it can give the target's top-K next-token log-probabilities
 (``--topk K``; the driver refuses K > 0 for an engine without). ``devices``: where it runs
     (``cpu``, ``cuda``). ``gpus_per_tp_rank``: a replica reserves ``tp`` GPUs from Ray when the cluster
-    has GPUs. ``options``: run settings (``RunConfig`` field names) only this engine takes; the driver
-    refuses them for the others. ``in_process``: ``--executor auto`` runs one replica of it in the
+    has GPUs. ``options``: the names of the run settings (:class:`EngineOption`, ``RunConfig`` fields)
+    this engine declares in :data:`capture.engines.REGISTRY` (the class passes
+    :func:`capture.engines.option_names`); the plan refuses them for the others. ``in_process``: ``--executor auto`` runs one replica of it in the
     driver's process (no Ray). ``self_check``: rows ``--self-check`` rechecks by default (states from code
     paths other than a plain HF forward are worth rechecking; 0: off).
     """

@@ -29,6 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
+from capture.engines.registry import option_names
 from capture.engines.base import Capabilities, Captured, Generated, Sampling
 from common.errors import CaptureError
 from capture.targets import Taps
@@ -60,7 +61,7 @@ class EXL3Engine:
     """Load an EXL3 model folder and capture ``taps``; fp16 states ``[T, H]`` per column."""
 
     name = "exl3"
-    capabilities = Capabilities(generates=False, state_dtype="float16", devices=("cuda",))
+    capabilities = Capabilities(generates=False, state_dtype="float16", devices=("cuda",), options=option_names("exl3"))
 
     def __init__(self, model_dir: str, taps: Taps, *, argmax: bool = True, num_layers: int):
         check_exl3()

@@ -59,6 +59,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from capture.engines.registry import option, option_names
 from capture.engines.base import Capabilities, Captured, Generated, Sampling
 from capture.targets import Taps, reduce_streams
 from shards.format import tap_column
@@ -70,7 +71,7 @@ __all__ = ["Captured", "Generated", "HFEngine", "Sampling"]
 # native dot products: (x86, aarch64)
 _NATIVE = {"bfloat16": ({"avx512_bf16", "amx_bf16"}, {"bf16"}),
            "float16": ({"avx512_fp16", "amx_fp16"}, {"asimdhp"})}
-COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+COMPUTE_DTYPES = option("compute_dtype").choices  # --dtype's, declared in capture.engines.REGISTRY
 
 
 def cpu_features(cpuinfo: str | None = None) -> set[str] | None:
@@ -190,7 +191,7 @@ class HFEngine:
     name = "hf"
     # load_engine passes device_map="auto" for --device cuda (the replica's visible GPUs)
     capabilities = Capabilities(generates=True, topk=True, devices=("cpu", "cuda"), in_process=True,
-                                options=("compute_dtype", "device", "gpus_per_replica"))
+                                options=option_names("hf"))
 
     def __init__(self, model_dir: str, taps: Taps, *, argmax: bool = True, dtype: str = "bfloat16", threads: int | None = None,
                  device_map: str | None = None, topk: int = 0, state_dtype: str | None = None,

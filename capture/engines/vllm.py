@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from capture.engines import vllm_paths
+from capture.engines.registry import option_names
 from capture.engines.base import Capabilities, Captured, Generated, Sampling
 from common.errors import CaptureError
 from capture.targets import Taps
@@ -143,7 +144,7 @@ class VLLMEngine:
     name = "vllm"
     capabilities = Capabilities(generates=True, own_batching=True, topk=True, devices=("cpu", "cuda"),
                                 gpus_per_tp_rank=True, self_check=8,
-                                options=("vllm_path", "tp", "max_model_len", "gpu_memory_utilization", "vllm_args"))
+                                options=option_names("vllm"))
     topk = 0  # K of the top-K log-probabilities kept per position (0: none)
     _asked = 0  # logprobs asked of vLLM per position (K + TOPK_MARGIN)
 
