@@ -28,7 +28,7 @@ def reference(path: Path) -> int:
     """Write every parseable ShareGPT record, then the sample, as JSON lines; returns the row count."""
     import ijson
 
-    from capture.data import resolve_dataset
+    from capture.dataset import resolve_dataset
 
     rows = 0
     with open(path, "w") as out, open(resolve_dataset("sharegpt").path, "rb") as f:
@@ -91,7 +91,7 @@ def main() -> None:
     print(f"full reference: {r['captured']['rows']} captured rows ({cats}); {r['reference']['tokenized']:,} rows "
           f"tokenized (longest {r['reference']['longest_tokens']:,} tokens); skipped {r['reference']['skipped']}; "
           f"imports + tokenizer alone: {base_rss / 2**20:,.0f} MiB")
-    probe = (f"from capture.chat import load_encoder\nfrom capture.data import resolve_dataset\n"
+    probe = (f"from capture.chat import load_encoder\nfrom capture.dataset import resolve_dataset\n"
              f"from provenance import reference\nenc = load_encoder({model!r})\nn = [0]\n"
              "def tick():\n    n[0] += 1\n    if n[0] % 2000 == 0:\n"
              "        print(n[0], int(open('/proc/self/statm').read().split()[1]) * 4096 // 2**20)\n"

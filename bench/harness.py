@@ -92,7 +92,8 @@ def encoded(model: str | Path, dataset: str | Path = "sharegpt", specials: bool 
     record)``, the record a ``Tokenized`` or the reason (a str) it is skipped. ``specials``: also skip
     text that holds the template's special strings, as ``capture run`` does."""
     from capture.chat import load_encoder
-    from capture.data import ReadStats, iter_conversations, resolve_dataset
+    from capture.conversation import iter_conversations
+    from capture.dataset import ReadStats, resolve_dataset
 
     enc = load_encoder(str(model))
     skip = enc.special_strings() if specials else ()

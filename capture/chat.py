@@ -32,7 +32,7 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-from capture.data import Conversation
+from capture.conversation import Conversation
 from common.errors import CaptureError
 from common.hashing import text_sha256
 from common.records import Prompt, Tokenized

@@ -34,15 +34,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import os
 import threading
 
 from capture.config import RunConfig
 from common.errors import CaptureError
+from shards import live
 from shards import manifest as manifest_mod
-from shards.online import ENDPOINT, OnlineStream, consumed_ids
+from shards.online import OnlineStream
+from shards.run import resolve
 
 log = logging.getLogger(__name__)
 NAMESPACE = "capture-online"  # the Ray namespace of every online run's queue actors
@@ -94,7 +95,7 @@ class Online:
         start = time.monotonic()
         said = False
         while wait_s > 0:
-            missing = self.delivered - consumed_ids(self.cfg.out)
+            missing = self.delivered - live.acked_ids(resolve(self.cfg.out))
             if not missing or time.monotonic() - start >= wait_s:
                 break
             if not said and time.monotonic() - start > 2:  # say what it waits for, once
@@ -132,11 +133,10 @@ def start(cfg: RunConfig, world_size: int = 1, queue_units: int = 2, keep: bool 
 
     from capture.driver import run
     from capture.sinks import Delivery
-    from shards.run import resolve
 
     if world_size < 1 or queue_units < 1:
         raise CaptureError("world_size and queue_units must be at least 1")
-    acked = consumed_ids(cfg.out) if manifest_mod.read(cfg.out).header is not None else set()
+    acked = live.acked_ids(resolve(cfg.out)) if manifest_mod.read(cfg.out).header is not None else set()
     started = not ray.is_initialized()
     if started:
         ray.init(address=cfg.ray_address or "local", include_dashboard=False, logging_level=logging.ERROR)
@@ -153,7 +153,7 @@ def start(cfg: RunConfig, world_size: int = 1, queue_units: int = 2, keep: bool 
 
     def publish() -> None:  # after the header: the driver refuses a folder that holds files but no run
         if not published.is_set():
-            resolve(cfg.out).write_bytes(ENDPOINT, json.dumps(endpoint).encode())
+            live.write_endpoint(resolve(cfg.out), endpoint)
             published.set()
 
     def deliver(info, payload, on_wait) -> None:

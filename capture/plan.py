@@ -20,7 +20,7 @@ import pyarrow.fs as pafs
 
 from capture.chat import ChatEncoder, load_encoder, packaged_template, tokenizer_sha256
 from capture.config import RunConfig
-from capture.data import DatasetRef, resolve_dataset
+from capture.dataset import DatasetRef, resolve_dataset
 from capture.engines import (REGISTRY, EngineSpec, check_here, engine_class, engine_spec, resolve_engine, takers,
                              vllm_engine_args)
 from capture.engines.registry import options as engine_options

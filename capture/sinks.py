@@ -98,7 +98,7 @@ class Retain(Shards):
 class Online(Shards):
     """Online (:mod:`capture.online`): each unit's payload goes to ``hand(info, payload, on_wait)`` (the
     trainer's queues; ``on_wait(status)`` while it blocks). Without ``keep`` no shard is written: the
-    delivery is the commit, and rows the trainer acked (:func:`shards.online.consumed_ids`) are done. With
+    delivery is the commit, and rows the trainer acked (:func:`shards.live.acked_ids`) are done. With
     ``keep`` (tee) rows are committed to shards exactly as offline, and delivered once their shard is."""
 
     def __init__(self, session, hand: Callable, keep: bool, progress):
@@ -118,9 +118,9 @@ class Online(Shards):
 
     def done(self, loc: Location, manifest) -> set[str]:
         """Committed ids; without ``keep`` also every id a trainer acked (:mod:`shards.online`)."""
-        from shards.online import consumed_ids
+        from shards import live
 
-        return manifest.sample_ids() | (set() if self.keep else consumed_ids(loc))
+        return manifest.sample_ids() | (set() if self.keep else live.acked_ids(loc))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,8 @@ import logging
 
 from capture.config import RunConfig
 from capture.chat import ChatEncoder
-from capture.data import DatasetRef, ReadStats, iter_conversations
+from capture.conversation import iter_conversations
+from capture.dataset import DatasetRef, ReadStats
 from capture.summary import Summary
 from common.records import Tokenized
 from filters import apply_filters, filter_prompt

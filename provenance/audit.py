@@ -50,7 +50,8 @@ from pathlib import Path
 import numpy as np
 
 from capture.chat import ChatEncoder, load_encoder, tokenizer_sha256
-from capture.data import Conversation, iter_conversations, ReadStats, resolve_dataset
+from capture.conversation import Conversation, iter_conversations
+from capture.dataset import ReadStats, resolve_dataset
 from common.errors import CaptureError
 from provenance import reference as ref_index
 from provenance.record import PROVENANCE

@@ -39,7 +39,8 @@ from typing import Callable, Iterable
 import numpy as np
 
 from capture.chat import ChatEncoder
-from capture.data import DatasetRef, ReadStats, iter_conversations
+from capture.conversation import iter_conversations
+from capture.dataset import DatasetRef, ReadStats
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ def build(ref: DatasetRef, encoder: ChatEncoder, *, alternation: str = "normaliz
           truncation_lengths: Iterable[int] = (), on_row: Callable[[], None] | None = None) -> ReferenceIndex:
     """Stream ``ref`` once and index every row (see the module docstring). ``on_row`` is called per row
     read (a progress bar). Rows that do not become a tokenized conversation are counted in ``skipped``
-    by their reason (:func:`capture.data.iter_conversations`'s reasons, ``special_token_text``, or
+    by their reason (:func:`capture.conversation.iter_conversations`'s reasons, ``special_token_text``, or
     ``template_error`` when the chat template cannot render the row). Raises CaptureError when the
     reference cannot be read."""
     from common.errors import CaptureError

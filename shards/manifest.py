@@ -208,8 +208,9 @@ class ManifestWriter:
 def holds_nothing(loc: Location, manifest: Manifest) -> bool:
     """Whether the run at ``loc`` has nothing to keep: no shard line, no removal, no completion record
     and no reader's ack (e.g. a run whose engine failed to start after its header was written)."""
-    acks = [n for n in loc.names() if n.startswith(("consumed-", "online-consumed-"))]
-    return not (manifest.all_shards or manifest.removals or manifest.completions or acks)
+    from shards import live  # live imports run, as this module does; lazy keeps the import light
+
+    return not (manifest.all_shards or manifest.removals or manifest.completions or live.any_acks(loc))
 
 
 def reset(loc: Location) -> None:

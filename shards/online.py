@@ -14,16 +14,16 @@ failed. :class:`OnlineStream` fetches a payload (zero-copy from the object store
 yields them in arrival order.
 
 **Exactly once.** The trainer calls :meth:`OnlineStream.ack` with the sample ids it trained on, after the
-checkpoint that covers them is saved. Each ack is one file ``online-consumed-<rank:05d>-<seq>-<ns>.json``
-in the run folder (an atomic whole-file write, on a local folder or an object store). A restarted online
-capture skips every acked id (:func:`consumed_ids`), and delivers again every row that was captured,
+checkpoint that covers them is saved. Each ack is one file in the run folder (:mod:`shards.live`,
+``kind="online"``: an atomic whole-file write, on a local folder or an object store). A restarted online
+capture skips every acked id (:func:`shards.live.acked_ids`), and delivers again every row that was captured,
 delivered or in flight but not acked: a row is trained on once per run, counted from the checkpoint the
 trainer restarts from. A replica that dies mid-unit is replaced by the capture's pool and its unit
 redone; a unit's payload reaches a queue only once its unit completed, so no row is delivered twice.
 
 **Ranks and workers in other processes.** :func:`capture.online.start` names each rank's queue actor and
-writes where to find them, ``online-endpoint.json`` (the Ray cluster's GCS address, a namespace, one queue
-name per rank), into the run folder. :func:`attach` reads it in any process that can reach that cluster (a
+writes where to find them, the endpoint (:mod:`shards.live`: the Ray cluster's GCS address, a namespace, one
+queue name per rank), into the run folder. :func:`attach` reads it in any process that can reach that cluster (a
 ``torchrun`` rank, on this node or another) and returns that rank's stream. A stream holds names, not
 handles: it connects when iterated, so it pickles into DataLoader workers, which then take units from their
 rank's queue in turn (each unit to one worker; order across workers is arrival order, interleaved). A
@@ -35,7 +35,6 @@ and may come from any process (the trainer's main process, after its checkpoint)
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -46,24 +45,12 @@ import pyarrow as pa
 from torch.utils.data import IterableDataset
 
 from common.errors import CaptureError
+from shards import live
 from shards.format import RunHeader, tap_layers
 from shards.rows import table_sample
 from shards.run import Location, as_location
 
 log = logging.getLogger(__name__)
-PREFIX = "online-consumed-"
-ENDPOINT = "online-endpoint.json"  # where a run's queues are: {"address", "namespace", "queues", "world_size",
-#   "auth_mode"} (Ray's RAY_AUTH_MODE of the capture's process; the token itself is never written there)
-
-
-def consumed_ids(run: str | os.PathLike | Location) -> set[str]:
-    """Every sample id any rank acked in ``run`` (the files :meth:`OnlineStream.ack` wrote)."""
-    loc = as_location(run)
-    ids: set[str] = set()
-    for name in loc.names():
-        if name.startswith(PREFIX) and name.endswith(".json"):
-            ids.update(json.loads(loc.read_bytes(name))["sample_ids"])
-    return ids
 
 
 def rows_of(payload) -> pa.Table:
@@ -81,10 +68,10 @@ def attach(run: str | os.PathLike | Location, rank: int = 0, wait_s: float = 600
     loc = as_location(run)
     start = time.monotonic()
     said = False
-    why = f"no {ENDPOINT} in {loc}: start the capture (capture.online.start) first"
+    why = f"no {live.ENDPOINT} in {loc}: start the capture (capture.online.start) first"
     while True:
-        if loc.exists(ENDPOINT):
-            endpoint = json.loads(loc.read_bytes(ENDPOINT))
+        endpoint = live.read_endpoint(loc)
+        if endpoint is not None:
             if not 0 <= rank < endpoint["world_size"]:
                 raise CaptureError(f"rank {rank} is not in [0, world_size={endpoint['world_size']})")
             header = manifest_mod.read(loc).header
@@ -92,7 +79,7 @@ def attach(run: str | os.PathLike | Location, rank: int = 0, wait_s: float = 600
             if stream is not None and stream.live():
                 return stream
             why = (f"the online run in {loc} has not written its header yet" if header is None else
-                   f"the Ray cluster or queues named in {loc}/{ENDPOINT} are gone (an earlier run's endpoint: "
+                   f"the Ray cluster or queues named in {loc}/{live.ENDPOINT} are gone (an earlier run's endpoint: "
                    "the new run rewrites it with its first unit)")
         if time.monotonic() - start > wait_s:
             raise CaptureError(f"online: {why} (waited {wait_s:g} s)")
@@ -147,7 +134,6 @@ class OnlineStream(IterableDataset):
         self.poll_s, self.timeout_s = poll_s, timeout_s
         self.wait_seconds = 0.0
         self.summary: dict | None = None  # the capture's summary, once the end arrived
-        self._acks = 0
         self._queue = None  # (pid, this process's handle on the rank's queue): made when iterated, never pickled
 
     def __getstate__(self) -> dict:
@@ -229,7 +215,5 @@ class OnlineStream(IterableDataset):
     def ack(self, sample_ids: Sequence[str]) -> None:
         """Record that this rank trained on ``sample_ids`` (call after the checkpoint that covers them is
         saved): a restarted capture never delivers them again. Raises OSError from the store."""
-        body = {"rank": self.rank, "time": time.time(), "sample_ids": list(sample_ids)}
-        name = f"{PREFIX}{self.rank:05d}-{self._acks:08d}-{time.time_ns():x}.json"
-        self.location.write_bytes(name, json.dumps(body).encode())
-        self._acks += 1
+        live.write(self.location, live.Ack("online", self.rank, int(self.endpoint["world_size"]), time.time(),
+                                           sample_ids=tuple(sample_ids)))

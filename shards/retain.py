@@ -1,10 +1,10 @@
 """Tail mode with bounded disk: readers acknowledge the shards they consumed, a capture run with
 ``--retain N`` deletes the shards every reader rank has consumed and holds at most N committed shards.
 
-**Acks.** A tail-mode :class:`shards.stream.ShardStream` rank writes ``consumed-<rank:05d>.json`` in the
-run folder (:meth:`shards.stream.ShardStream.ack`, one whole-file atomic write): ``{"rank", "world_size",
-"epoch", "position", "done": [shard paths], "time"}``. ``done`` lists the committed shards (not yet
-removed) none of whose rows this rank still has to read at ``position``. A trainer acks *after* it saved
+**Acks.** A tail-mode :class:`shards.stream.ShardStream` rank acks in the run folder
+(:meth:`shards.stream.ShardStream.ack`; the file and its format: :mod:`shards.live`, ``kind="tail"``): its
+``shards`` are the committed shards (not yet removed) none of whose rows this rank still has to read at
+``position``; a rank's latest ack counts. A trainer acks *after* it saved
 the checkpoint that holds the same stream state: a restart from that checkpoint never needs a row of a
 shard it acked, so removal keeps exactly-once (a restart from an older checkpoint would need them).
 
@@ -31,71 +31,41 @@ otherwise the capture waits for an ack that needs rows it has not committed. The
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Callable
 
 from common.errors import CaptureError
+from shards import live
 from shards import manifest as manifest_mod
 from shards.run import Location
 
 log = logging.getLogger(__name__)
 
-PREFIX, SUFFIX = "consumed-", ".json"
-
-
-def ack_name(rank: int) -> str:
-    """File name of rank ``rank``'s ack in the run folder."""
-    return f"{PREFIX}{rank:05d}{SUFFIX}"
-
-
-def write_ack(loc: Location, *, rank: int, world_size: int, epoch: int, position: int, done: list[str]) -> dict:
-    """Write rank ``rank``'s ack (module docstring) atomically; returns it. Raises OSError from the store."""
-    ack = {"rank": rank, "world_size": world_size, "epoch": epoch, "position": position, "done": sorted(done),
-           "time": time.time()}
-    loc.write_bytes(ack_name(rank), json.dumps(ack, sort_keys=True).encode())
-    return ack
-
-
-def read_acks(loc: Location) -> dict[int, dict]:
-    """Every rank's last ack, by rank; an unreadable ack file (a store without atomic writes mid-write)
-    is skipped with a warning and read again at the next poll."""
-    acks = {}
-    for name in loc.names():
-        if not (name.startswith(PREFIX) and name.endswith(SUFFIX)):
-            continue
-        try:
-            ack = json.loads(loc.read_bytes(name))
-            acks[int(ack["rank"])] = ack
-        except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
-            log.warning("%s: unreadable ack %s (%s); ignored until it is rewritten", loc.path, name, e)
-    return acks
-
-
-def removable(manifest: manifest_mod.Manifest, acks: dict[int, dict]) -> list[str]:
-    """Live shards of ``manifest`` that every rank lists as done, in commit order (module docstring)."""
-    sizes = {int(a["world_size"]) for a in acks.values()}
+def removable(manifest: manifest_mod.Manifest, acks: dict[int, live.Ack]) -> list[str]:
+    """Live shards of ``manifest`` that every rank lists as done (``acks``: each rank's latest tail ack,
+    :func:`shards.live.latest`), in commit order (module docstring)."""
+    sizes = {a.world_size for a in acks.values()}
     if len(sizes) != 1:
         return []
     (world,) = sizes
     if set(acks) != set(range(world)):
         return []
-    done = set.intersection(*(set(a["done"]) for a in acks.values()))
+    done = set.intersection(*(set(a.shards) for a in acks.values()))
     return [s["path"] for s in manifest.shards if s["path"] in done]
 
 
-def waiting_for(acks: dict[int, dict]) -> str:
+def waiting_for(acks: dict[int, live.Ack]) -> str:
     """One line for the progress bar: what the capture waits for."""
     if not acks:
         return "no reader has acked yet"
-    worlds = sorted({int(a["world_size"]) for a in acks.values()})
+    worlds = sorted({a.world_size for a in acks.values()})
     missing = [r for r in range(max(worlds)) if r not in acks]
     if len(worlds) > 1:
-        return f"acks of world sizes {worlds}: remove stale {PREFIX}*.json files"
+        return f"acks of world sizes {worlds}: remove the stale {live.PREFIX}*{live.SUFFIX} files"
     if missing:
         return f"no ack yet from rank(s) {missing[:4]}"
-    return "ranks at positions " + ", ".join(str(acks[r]["position"]) for r in sorted(acks)[:4])
+    return "ranks at positions " + ", ".join(str(acks[r].position) for r in sorted(acks)[:4])
 
 
 class Retention:
@@ -118,16 +88,16 @@ class Retention:
         waited = False
         while True:
             manifest = manifest_mod.read(self.loc)
-            live = len(manifest.shards)
-            if live < self.limit:
-                self.peak_live = max(self.peak_live, live + 1)
+            kept = len(manifest.shards)
+            if kept < self.limit:
+                self.peak_live = max(self.peak_live, kept + 1)
                 return waited
-            acks = read_acks(self.loc)
+            acks = live.latest(self.loc)
             paths = removable(manifest, acks)
             if paths:
                 self._remove(manifest, paths, len(acks))
                 continue
-            self.on_wait(f"waiting for readers: {live} committed shard(s) kept, --retain {self.limit}; "
+            self.on_wait(f"waiting for readers: {kept} committed shard(s) kept, --retain {self.limit}; "
                          f"{waiting_for(acks)}")
             t0 = time.monotonic()
             time.sleep(self.poll_s)

@@ -92,7 +92,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from common.errors import CaptureError
 from shards import manifest as manifest_mod
-from shards import retain
+from shards import live
 from shards.format import RunHeader, tap_layers
 from shards.rows import table_sample
 from shards.run import Location, as_location
@@ -332,12 +332,12 @@ class ShardStream(IterableDataset):
         self._shared[_EPOCH], self._shared[_POSITION] = int(state["epoch"]), int(state["position"])
         self._next = self.position
 
-    def ack(self, state: dict | None = None) -> dict:
+    def ack(self, state: dict | None = None) -> "live.Ack":
         """Acknowledge what this rank consumed, so that a capture run with ``--retain N`` may delete the
         shards every rank is done with (:mod:`shards.retain`). ``state``: the stream state the trainer just
         saved with its checkpoint (:meth:`state_dict`; default this object's own). Call it after that
-        checkpoint is durable. Returns the ack written (``done``: the live shards none of whose rows this
-        rank still has to read from ``state["position"]`` on). Raises CaptureError outside tail mode (an
+        checkpoint is durable. Returns the :class:`shards.live.Ack` written (``shards``: the live shards none of whose rows
+        this rank still has to read from ``state["position"]`` on). Raises CaptureError outside tail mode (an
         offline reader's shards stay) and OSError from the store."""
         if not self.tail:
             raise CaptureError("ack() is for tail-mode streams (tail=True): an offline reader never removes shards")
@@ -346,8 +346,10 @@ class ShardStream(IterableDataset):
             raise CaptureError(f"ack: the state is rank {state['rank']} of {state['world_size']}, this stream rank "
                                f"{self.rank} of {self.world_size}")
         epoch, position = int(state["epoch"]), int(state["position"])
-        return retain.write_ack(self.location, rank=self.rank, world_size=self.world_size, epoch=epoch,
-                                position=position, done=self.done(epoch, position))
+        ack = live.Ack("tail", self.rank, self.world_size, time.time(), shards=tuple(self.done(epoch, position)),
+                       epoch=epoch, position=position)
+        live.write(self.location, ack)
+        return ack
 
     def done(self, epoch: int, position: int) -> list[str]:
         """Live shards (in the manifest now) none of whose rows this rank reads at rank-local ``position``

@@ -18,7 +18,8 @@ from click.testing import CliRunner
 
 import cli
 from capture.chat import Prompt, Tokenized
-from capture.data import Conversation, ReadStats, iter_conversations, resolve_dataset
+from capture.conversation import Conversation, iter_conversations
+from capture.dataset import ReadStats, resolve_dataset
 from common.hashing import token_sha256
 from shards import format as shard_format
 from shards.format import RunHeader

@@ -9,7 +9,8 @@ import shutil
 import numpy as np
 import pytest
 
-from capture.data import Conversation, ReadStats, iter_conversations, resolve_dataset
+from capture.conversation import Conversation, iter_conversations
+from capture.dataset import ReadStats, resolve_dataset
 from capture.chat import Tokenized
 from common.hashing import token_sha256
 from conftest import capture_cli

@@ -5,7 +5,7 @@ import pytest
 from helpers import multi_turn
 
 from capture.chat import ChatEncoder
-from capture.data import Conversation
+from capture.conversation import Conversation
 from common.errors import CaptureError
 
 

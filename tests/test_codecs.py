@@ -16,7 +16,8 @@ def real_states(smol_dir, encoder):
     """Taps 3, 15, 29 of two real ShareGPT conversations (300 + 200 tokens): outliers included."""
     import itertools
 
-    from capture.data import ReadStats, iter_conversations, resolve_dataset
+    from capture.conversation import iter_conversations
+    from capture.dataset import ReadStats, resolve_dataset
     from capture.engines.hf import HFEngine
     from capture.targets import PRESETS, make_taps
 

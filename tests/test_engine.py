@@ -17,7 +17,8 @@ def records(encoder):
     """Three real ShareGPT conversations, cut to 300 tokens to keep the test quick."""
     import itertools
 
-    from capture.data import ReadStats, iter_conversations, resolve_dataset
+    from capture.conversation import iter_conversations
+    from capture.dataset import ReadStats, resolve_dataset
 
     convs = itertools.islice(iter_conversations(resolve_dataset("sharegpt"), ReadStats()), 3)
     return [encoder.encode(c).input_ids[:n] for c, n in zip(convs, (300, 120, 211))]

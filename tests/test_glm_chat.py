@@ -12,7 +12,8 @@ import json
 import pytest
 
 from capture.chat import ChatEncoder, template_boilerplate
-from capture.data import Conversation, ReadStats, iter_conversations, resolve_dataset
+from capture.conversation import Conversation, iter_conversations
+from capture.dataset import ReadStats, resolve_dataset
 from glm_fixtures import build_tokenizer, glm_template
 
 H = "[gMASK]<sop>"

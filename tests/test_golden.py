@@ -4,16 +4,20 @@
 taps 3 and 15, the post-norm final state, argmax, top-4, float32 arithmetic stored as bf16, at most 48
 tokens per row, two shards). ``tests/golden/decoded.json`` holds, per row, the SHA-256 of every decoded
 field (ids, loss mask, argmax, top-K ids and log-probabilities, each state cell's bf16 bits) as
-:func:`digest` computes it from :func:`shards.rows.read_row`, and the CPU capability that computed the
-states. Remake both (only when the stored bytes are meant to change) with
+:func:`digest` computes it from :func:`shards.rows.read_row`, and the machine that computed the states
+(:func:`machine`: the CPU model, its bf16 features, torch's CPU capability and version; ``null`` in a file
+recorded before the key existed). Remake both (only when the stored bytes are meant to change) with
 ``.venv/bin/python tests/test_golden.py``.
 
 - :func:`test_committed_run_decodes_to_the_golden_digests` (fast lane): every decoder of a run
   (``read_row``, ``ShardStream``, the HF ``datasets`` transform) gives exactly the recorded values.
 - :func:`test_capture_today_gives_the_golden_rows` (model lane): the same capture made now gives the same
-  rows; states, argmax and top-K bit for bit where torch dispatches the CPU capability that made them
-  (another capability, e.g. AVX2 against AVX512, rounds float32 matmuls differently: there states must
-  agree to one bf16 step and ids and masks exactly).
+  rows: ids and masks exactly everywhere; states, argmax and top-K bit for bit on the machine that made
+  them. Another machine rounds float32 matmuls differently, also at the same torch capability (an AMD
+  EPYC with AVX-512 BF16 against the recording CPU, both "AVX512": up to 65 of 27,648 cells a state differ,
+  min per-token cosine 0.99999982); there every state cell agrees within one bf16 step of
+  ``|reference| + rms/8`` (the token's RMS over H: float32 reordering moves values near 0 by more than
+  their own bf16 step).
 """
 
 from __future__ import annotations
@@ -71,6 +75,16 @@ def digest(row) -> dict:
             "states": {c: _sha(t) for c, t in sorted(row.states.items())}}
 
 
+def machine() -> dict:
+    """What decides float32 rounding on a CPU: its model name and bf16 features (``/proc/cpuinfo``), torch's
+    dispatched capability and torch's version."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    return {"cpu": model, "bf16": sorted(f for f in flags if "bf16" in f), "torch": torch.__version__,
+            "capability": torch.backends.cpu.get_cpu_capability()}
+
+
 def golden() -> dict:
     return json.loads((GOLDEN / "decoded.json").read_text())
 
@@ -114,13 +128,13 @@ def test_capture_today_gives_the_golden_rows(tmp_path, smol_dir):
     exact = ("sample_id", "source", "row_index", "tokens", "token_sha256", "input_ids", "loss_mask")
     got = [digest(r) for r in now]
     assert [{k: d[k] for k in exact} for d in got] == [{k: d[k] for k in exact} for d in want["rows"]]
-    if torch.backends.cpu.get_cpu_capability() == want["cpu_capability"]:
+    if want.get("machine") == machine():
         assert got == want["rows"]  # every state cell, argmax and top-K bit for bit
-    else:
-        for a, b in zip(now, then):
-            for c in a.states:
-                step = (b.states[c].float().abs() * 2 ** -7).clamp_min(2 ** -126)  # one bf16 step
-                assert ((a.states[c].float() - b.states[c].float()).abs() <= step).all(), c
+    for a, b in zip(now, then):
+        for c in a.states:
+            x, y = a.states[c].float(), b.states[c].float()
+            rms = y.pow(2).mean(-1, keepdim=True).sqrt()
+            assert ((x - y).abs() <= (y.abs() + rms / 8) * 2 ** -7).all(), (a.sample_id, c)  # module docstring
 
 
 def _make() -> None:
@@ -132,7 +146,7 @@ def _make() -> None:
     subprocess.run([sys.executable, "-m", "cli", *ARGS, "--out", str(GOLDEN / "run")], cwd=REPO, check=True)
     rows = rows_of(GOLDEN / "run")
     (GOLDEN / "decoded.json").write_text(json.dumps(
-        {"args": list(ARGS), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        {"args": list(ARGS), "machine": machine(),
          "tokens": sum(r.num_tokens for r in rows), "rows": [digest(r) for r in rows]}, indent=1) + "\n")
 
 

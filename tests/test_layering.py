@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO
 
-FRONT_END = ("capture.config", "capture.data", "capture.chat", "capture.driver", "filters", "yaml")
+FRONT_END = ("capture.config", "capture.dataset", "capture.conversation", "capture.chat", "capture.driver", "filters", "yaml")
 
 
 SHARD_LAYER = ["import shards.stream", "import shards.verify", "import shards.recode", "import shards.export",

@@ -11,7 +11,8 @@ import pytest
 
 from conftest import REPO, capture_process
 from shards import manifest as manifest_mod
-from shards.online import consumed_ids
+from shards import live
+from shards.run import as_location
 from shards.stream import ShardStream
 from shards.verify import verify
 from test_scale import SAMPLE_NAME, env_for, kill_a_busy_replica, tag  # noqa: F401 - tag is a fixture
@@ -70,7 +71,7 @@ def test_online_rows_equal_an_offline_run_bit_for_bit(tmp_path, sample_jsonl, ta
     m = manifest_mod.read(out)
     assert m.complete and m.all_shards == []  # no shard on disk: only the log
     assert sorted(p.name for p in out.iterdir() if p.suffix == ".arrow") == []
-    assert consumed_ids(out) == set(want)
+    assert live.acked_ids(as_location(out)) == set(want)
 
     # --keep for 2 ranks: the same rows to the trainer ranks, and shards equal to the offline run's row for row
     tee = tmp_path / "tee"
@@ -96,7 +97,7 @@ def test_online_rows_equal_an_offline_run_bit_for_bit(tmp_path, sample_jsonl, ta
     assert {s["sample_id"]: online_trainer.digest(s) for s in ShardStream(tee)} == want
     assert len({r["pid"] for r in rows1}) == 2 and rank1.pid not in {r["pid"] for r in rows1}
     assert json.loads(stdout1.splitlines()[-1]) == {"attached": 1, "rows": len(rows1)}
-    assert consumed_ids(tee) == set(all_ids())
+    assert live.acked_ids(as_location(tee)) == set(all_ids())
     assert end["summary"]["committed_rows"] == LIMIT
     assert_tee(tee)
     assert manifest_mod.read(tee).completions[-1]["online"] == "tee"
@@ -149,7 +150,7 @@ def test_trainer_killed_after_a_checkpoint_resumes_exactly_once(tmp_path, sample
     stdout, stderr = first.communicate(timeout=600)
     assert first.returncode == 3, stderr[-3000:]
     before = [r["id"] for r in lines_of(stdout)[0]]
-    assert len(before) == 6 and consumed_ids(out) == set(before)
+    assert len(before) == 6 and live.acked_ids(as_location(out)) == set(before)
     assert not manifest_mod.read(out).complete
 
     second = trainer(out, sample_jsonl, tag, *tee, cluster=ray_cluster)
@@ -186,7 +187,8 @@ def test_attach_refuses_in_one_line(tmp_path, reader_run):
     whose Ray cluster is gone (a port nobody listens on: answered at once, not after Ray's retries): a
     one-line CaptureError."""
     from common.errors import CaptureError
-    from shards.online import ENDPOINT, attach
+    from shards.live import ENDPOINT
+    from shards.online import attach
 
     with pytest.raises(CaptureError, match=r"no online-endpoint.json in .*start the capture .* first \(waited 0 s\)"):
         attach(tmp_path, 0, wait_s=0)

@@ -22,7 +22,8 @@ EVERY_ROWS = ("sharegpt:13", "sharegpt:41")
 
 
 def sharegpt(ids) -> list:
-    from capture.data import ReadStats, iter_conversations, resolve_dataset
+    from capture.conversation import iter_conversations
+    from capture.dataset import ReadStats, resolve_dataset
 
     convs = itertools.islice(iter_conversations(resolve_dataset("sharegpt"), ReadStats()), 60)
     return [c for c in convs if c.sample_id in ids]

@@ -15,6 +15,7 @@ from helpers import make_rows, write_run
 
 from common.errors import CaptureError
 from conftest import REPO
+from shards import live
 from shards import manifest as manifest_mod
 from shards import retain
 from shards.manifest import ManifestWriter
@@ -69,7 +70,7 @@ def test_removable_needs_every_rank_of_one_world_size(tmp_path):
     write_run(run, [make_rows(2, 4, 4 * i) for i in range(3)], target_bytes=1)
     m = manifest_mod.read(run)
     a, b, c = [s["path"] for s in m.shards[:3]]
-    ack = lambda r, w, done: {"rank": r, "world_size": w, "position": 0, "done": done}  # noqa: E731
+    ack = lambda r, w, done: live.Ack("tail", r, w, 0.0, shards=tuple(done))  # noqa: E731
     assert retain.removable(m, {0: ack(0, 2, [a, b])}) == []  # rank 1 has not acked
     assert retain.removable(m, {0: ack(0, 2, [a, b]), 1: ack(1, 2, [b, c])}) == [b]
     assert retain.removable(m, {0: ack(0, 2, [a, b]), 1: ack(1, 3, [a, b])}) == []  # two world sizes

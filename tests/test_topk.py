@@ -98,7 +98,8 @@ def test_hf_engine_topk_is_the_reference_topk(smol_dir, encoder, reference):
     ``argmax=False`` the top-K is the same."""
     import itertools
 
-    from capture.data import ReadStats, iter_conversations, resolve_dataset
+    from capture.conversation import iter_conversations
+    from capture.dataset import ReadStats, resolve_dataset
     from capture.engines.hf import HFEngine
     from capture.targets import PRESETS, make_taps
 

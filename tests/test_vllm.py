@@ -90,7 +90,8 @@ def _in_spawned_process(*args) -> dict:
 def records(encoder, sample_jsonl):
     """Real Open-PerfectBlend conversations (several sources), tokenized by the target's template.
     Two of them get a copy with a different last answer: a shared prefix for prefix caching to hit."""
-    from capture.data import ReadStats, iter_conversations, resolve_dataset
+    from capture.conversation import iter_conversations
+    from capture.dataset import ReadStats, resolve_dataset
 
     convs = iter_conversations(resolve_dataset(str(sample_jsonl)), ReadStats())
     ids = [r.input_ids for r in (encoder.encode(c) for c in itertools.islice(convs, 40))
@@ -134,7 +135,8 @@ def extract(smol_dir, records, prompts):
 @pytest.fixture(scope="module")
 def topk_records(encoder, sample_jsonl):
     """The first 3 Open-PerfectBlend sample conversations, cut at 256 tokens."""
-    from capture.data import ReadStats, iter_conversations, resolve_dataset
+    from capture.conversation import iter_conversations
+    from capture.dataset import ReadStats, resolve_dataset
 
     convs = iter_conversations(resolve_dataset(str(sample_jsonl)), ReadStats())
     return [encoder.encode(c).input_ids[:256] for c in itertools.islice(convs, 3)]
@@ -268,7 +270,8 @@ def test_cli_run_with_vllm(vllm_run, sample_jsonl, encoder, smol_dir):
     """`capture run --engine vllm` end to end (Ray replica, shards; ``vllm_run``, conftest.py): stored ids are
     the template's ids (cut at --max-tokens 256), states match an HF prefill of them, the header names the
     engine. Long records against HF: test_taps_match_hf."""
-    from capture.data import ReadStats, iter_conversations, resolve_dataset
+    from capture.conversation import iter_conversations
+    from capture.dataset import ReadStats, resolve_dataset
     from capture.engines.hf import HFEngine
     from capture.targets import PRESETS, make_taps
     import pyarrow as pa
@@ -330,7 +333,8 @@ def test_vllm_refusals_at_engine_start_are_one_line(tmp_path, ray_cluster):
 def test_vllm_max_model_len_bounds_the_context(tmp_path, sample_jsonl, encoder):
     """vLLM refuses prompts beyond max_model_len: given as a flag or as a --vllm-arg, it is the context
     the driver filters on (counted as over_context), so the engine never sees a longer record."""
-    from capture.data import ReadStats, iter_conversations, resolve_dataset
+    from capture.conversation import iter_conversations
+    from capture.dataset import ReadStats, resolve_dataset
 
     lengths = [r.num_tokens for r in (encoder.encode(c) for c in
                iter_conversations(resolve_dataset(str(sample_jsonl)), ReadStats(), limit=12)) if not isinstance(r, str)]

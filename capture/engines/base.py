@@ -123,7 +123,7 @@ class Capabilities:
     instead of ``--batch-tokens`` batches. ``state_dtype``: the dtype its states come in when that is not
     the target's (exllamav3 exports float16), recorded as the run's dtype. ``finals``: the final-state
     conventions it captures. ``topk``: it can give the target's top-K next-token log-probabilities
-(``--topk K``; the driver refuses K > 0 for an engine without). ``devices``: where it runs
+    (``--topk K``; the driver refuses K > 0 for an engine without). ``devices``: where it runs
     (``cpu``, ``cuda``). ``gpus_per_tp_rank``: a replica reserves ``tp`` GPUs from Ray when the cluster
     has GPUs. ``options``: the names of the run settings (:class:`EngineOption`, ``RunConfig`` fields)
     this engine declares in :data:`capture.engines.REGISTRY` (the class passes
