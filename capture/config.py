@@ -1,6 +1,7 @@
 """One frozen dataclass configures a run; the CLI, a YAML file and Python callers all build it.
 
 Each fixed list of values is declared once: the ``Literal`` types here, :data:`capture.targets.Final`,
+:data:`capture.conversation.Alternation`,
 :data:`capture.chat.SpecialTextPolicy`, ``FilterConfig.overlength``, the codec and engine registries
 (:func:`choices` gathers them), and each engine option's declaration in :data:`capture.engines.REGISTRY`
 (its choices, bounds and default; the engine fields below take their defaults from it).
@@ -23,9 +24,9 @@ from filters import FilterConfig
 
 if TYPE_CHECKING:
     from capture.chat import SpecialTextPolicy
+    from capture.conversation import Alternation
     from capture.targets import Final
 
-Alternation = Literal["normalize", "skip"]
 Responses = Literal["dataset", "regenerate"]
 RegeneratePolicy = Literal["last", "every"]
 Executor = Literal["auto", "ray", "local"]
@@ -129,6 +130,7 @@ def choices() -> dict[str, tuple[str, ...]]:
     choices are in its declaration, :func:`capture.engines.options`). ``overlength`` is checked by
     ``FilterConfig`` itself."""
     from capture.chat import SpecialTextPolicy
+    from capture.conversation import Alternation
     from capture.engines import NAMES
     from capture.targets import Final
     from shards.codecs import CODECS
