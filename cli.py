@@ -505,10 +505,16 @@ def _drafter_values(config_file, flags: dict) -> dict:
 @click.option("--heldout-fraction", type=float, help="Held-out share by sample_id hash (default 0.1).")
 @click.option("--eval-anchors", type=int, help="Held-out anchors scored, evenly spaced (0: all).")
 @click.option("--precision", type=click.Choice(["bfloat16", "float32"]), help="Autocast dtype of the forward.")
+@click.option("--workers", type=int, help="DataLoader processes decoding conversations (default 1; 0: none).")
+@click.option("--shuffle-buffer", type=int, help="Rows of the stream's shuffle buffer (default 1024).")
+@click.option("--checkpoint-every", type=int, help="Steps between training checkpoints (default 100); a trainer "
+              "started again with the same --out resumes from the latest.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def drafter_train(config_file, no_progress, as_json, **flags) -> None:
-    """Train a drafter; score it, the untrained drafter and a bigram baseline on the held-out split."""
+    """Train a drafter, streamed from the run's shards; score it, the untrained drafter, the bigram and
+    prompt-lookup baselines on the held-out split. Under `torchrun --nproc-per-node N -m cli drafter train ...`
+    each rank reads its own rows and gradients are averaged. Rerun with the same --out to resume."""
     from drafter.config import from_mapping
     from drafter.train import train
 

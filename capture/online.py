@@ -37,6 +37,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 
 from capture.config import RunConfig
 from common.errors import CaptureError
@@ -61,6 +62,8 @@ class Online:
     error: BaseException | None = None
     started_ray: bool = False  # start() started Ray: close() shuts it down
     delivered: set = dataclasses.field(default_factory=set)  # sample ids handed to a queue by this run
+    trainer_wait_s: float = 0.0  # seconds the capture waited on a full queue (the trainer was the bottleneck)
+    ended_at: float | None = None  # time.perf_counter() when the capture's driver returned
 
     def stream(self, rank: int = 0, **options) -> OnlineStream:
         """Rank ``rank``'s :class:`shards.online.OnlineStream` in this process (``options``: ``layers``,
@@ -72,8 +75,6 @@ class Online:
         return OnlineStream(self.endpoint, self.cfg.out, self._header(), rank, **options)
 
     def _header(self):
-        import time
-
         while True:
             header = manifest_mod.read(self.cfg.out).header
             if header is not None:
@@ -88,8 +89,6 @@ class Online:
         their queue and the payloads it refers to live in this process); rows not acked by then are
         dropped with their payloads (logged) and delivered again by a restarted run. Without ``wait_s``
         rows still queued are dropped at once."""
-        import time
-
         import ray
 
         start = time.monotonic()
@@ -164,12 +163,16 @@ def start(cfg: RunConfig, world_size: int = 1, queue_units: int = 2, keep: bool 
         delivered.update(info.sample_ids)
         rank = next(ranks)
         item = ("rows", {"info": dataclasses.asdict(info), "skip": skip}, payload)
-        while True:
-            try:
-                queues[rank].put(item, block=True, timeout=0.5)
-                return
-            except Full:
-                on_wait(f"waiting for the trainer: rank {rank}'s queue holds {queue_units} unit(s)")
+        t0 = time.perf_counter()
+        try:
+            while True:
+                try:
+                    queues[rank].put(item, block=True, timeout=0.5)
+                    return
+                except Full:
+                    on_wait(f"waiting for the trainer: rank {rank}'s queue holds {queue_units} unit(s)")
+        finally:
+            online.trainer_wait_s += time.perf_counter() - t0
 
     def put_end(rank: int, queue, item) -> None:  # behind the rank's last units: says so while it waits
         while True:
@@ -185,6 +188,7 @@ def start(cfg: RunConfig, world_size: int = 1, queue_units: int = 2, keep: bool 
                 for info, payload in _unacked(cfg.out, acked):
                     deliver(info, ray.put(payload), lambda status: None)
             online.summary = run(cfg, Delivery(deliver, keep)).as_dict()
+            online.ended_at = time.perf_counter()
             publish()
             for rank, q in enumerate(queues):
                 put_end(rank, q, ("end", online.summary, None))

@@ -13,8 +13,10 @@ from common.errors import CaptureError
 class TrainConfig:
     """Everything :func:`drafter.train.train` needs (block conventions: :mod:`drafter.blocks`).
 
-    Units: ``steps`` optimizer steps of ``anchors_per_step`` blocks each, drawn as rows of
-    ``anchors_per_seq`` anchors of one conversation (uniform over the train split's valid anchors);
+    Units: ``steps`` optimizer steps of ``anchors_per_step // anchors_per_seq`` conversations each (the
+    next ones of the rank's shuffled stream, epochs following each other), one batch row a conversation
+    holding up to ``anchors_per_seq`` of its valid anchors drawn at random (DFlash's per-sequence anchor
+    sampling; :func:`drafter.data.pick_anchors`);
     ``lr`` per step (AdamW, linear warm-up over ``warmup_steps`` then cosine to 0). ``window``: context
     positions a block attends to (DFlash 2: 2,048). ``loss_decay``: slot j's loss weighs
     ``exp(-(j-1) / loss_decay)`` (0: all equal; DFlash's decay, since a block's acceptance stops at its
@@ -61,6 +63,9 @@ class TrainConfig:
     eval_rows: int = 8
     precision: Literal["bfloat16", "float32"] = "bfloat16"
     log_every: int = 10
+    workers: int = 1  # DataLoader processes decoding conversations (0: in the training process)
+    shuffle_buffer: int = 1024  # rows of the stream's shuffle buffer (shard/row numbers, not states)
+    checkpoint_every: int = 100  # steps between training checkpoints (and one at the end)
     progress: bool = True
 
 
@@ -107,7 +112,7 @@ def _check_type(key: str, value, hint):
 def validate(cfg: TrainConfig) -> None:
     """Raise CaptureError for values no drafter can train with."""
     positive = ("window", "d_model", "n_layers", "n_heads", "steps", "anchors_per_step", "anchors_per_seq",
-                "eval_rows", "log_every")
+                "eval_rows", "log_every", "shuffle_buffer", "checkpoint_every")
     bad = [k for k in positive if getattr(cfg, k) < 1]
     if bad:
         raise CaptureError(f"must be at least 1: {', '.join(bad)}")
@@ -121,6 +126,6 @@ def validate(cfg: TrainConfig) -> None:
     if not 0 < cfg.heldout_fraction < 1:
         raise CaptureError(f"heldout_fraction must be in (0, 1), got {cfg.heldout_fraction}")
     if (cfg.lr <= 0 or cfg.loss_decay < 0 or cfg.eval_anchors < 0 or cfg.warmup_steps < 0 or cfg.kl_weight < 0
-            or cfg.draft_vocab_size < 0 or cfg.lookup < 0):
-        raise CaptureError("lr must be > 0; loss_decay, kl_weight, eval_anchors, warmup_steps, draft_vocab_size "
-                           "and lookup must be >= 0")
+            or cfg.draft_vocab_size < 0 or cfg.lookup < 0 or cfg.workers < 0):
+        raise CaptureError("lr must be > 0; loss_decay, kl_weight, eval_anchors, warmup_steps, draft_vocab_size, "
+                           "lookup and workers must be >= 0")

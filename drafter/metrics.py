@@ -68,25 +68,73 @@ class Score:
         }
 
 
+class BigramCounts:
+    """Running (token, greedy next token) pair counts over ``vocab_size`` ids, kept sparse: pairs are
+    appended and merged (``torch.unique``) whenever more than ``compact_at`` wait, so memory is the
+    number of distinct pairs seen, not the number of anchors."""
+
+    def __init__(self, vocab_size: int, compact_at: int = 1 << 20):
+        self.vocab_size, self.compact_at = vocab_size, compact_at
+        self.pairs, self.counts = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+        self.waiting: list[torch.Tensor] = []
+        self.n_waiting = 0
+
+    def add(self, cur: torch.Tensor, nxt: torch.Tensor) -> None:
+        """Count pairs ``(cur[i], nxt[i])``; both int64 [N]."""
+        self.waiting.append(cur.long() * self.vocab_size + nxt.long())
+        self.n_waiting += len(cur)
+        if self.n_waiting > self.compact_at:
+            self._compact()
+
+    def _compact(self) -> None:
+        keys = torch.cat([self.pairs, *self.waiting])
+        weights = torch.cat([self.counts, *(torch.ones_like(w) for w in self.waiting)])
+        self.pairs, inverse = torch.unique(keys, return_inverse=True)
+        self.counts = torch.zeros(len(self.pairs), dtype=torch.long).index_add_(0, inverse, weights)
+        self.waiting, self.n_waiting = [], 0
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The counts as two int64 tensors (``pairs``: ``token * V + next``, ``counts``), for a checkpoint."""
+        self._compact()
+        return {"pairs": self.pairs, "counts": self.counts, "vocab_size": torch.tensor(self.vocab_size)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor]) -> "BigramCounts":
+        out = cls(int(state["vocab_size"]))
+        out.pairs, out.counts = state["pairs"], state["counts"]
+        return out
+
+    def table(self) -> torch.Tensor:
+        """int64 [V]: ``table[c]`` = the most frequent next token after ``c`` (ties: the smaller id); a
+        token never seen maps to the most frequent next token overall."""
+        self._compact()
+        V = self.vocab_size
+        pairs, counts = self.pairs, self.counts
+        nxt = pairs % V
+        overall = torch.zeros(V, dtype=torch.long).index_add_(0, nxt, counts).argmax() if len(pairs) else 0
+        table = torch.full((V,), int(overall), dtype=torch.long)
+        if not len(pairs):
+            return table
+        cur_u, nxt_u = pairs // V, nxt
+        c = int(counts.max()) + 1
+        key = cur_u * (c * V) + (c - counts) * V + nxt_u  # (token asc, count desc, next asc)
+        order = torch.argsort(key)
+        cur_s = cur_u[order]
+        first = torch.ones_like(cur_s, dtype=torch.bool)
+        first[1:] = cur_s[1:] != cur_s[:-1]
+        table[cur_s[first]] = nxt_u[order][first]
+        return table
+
+
 def fit_bigram(input_ids: torch.Tensor, argmax: torch.Tensor, positions: torch.Tensor, vocab_size: int
                ) -> torch.Tensor:
     """Bigram baseline over the target's greedy tokens: int64 [V] table, ``table[c]`` = the most frequent
     ``argmax[t]`` among ``positions`` t whose token ``input_ids[t]`` is c (ties: the smaller id); a
     token never seen maps to the most frequent greedy token overall. input_ids, argmax int64 [N];
-    positions int64 [P] (the train anchors)."""
-    cur, nxt = input_ids[positions], argmax[positions]
-    pairs, counts = torch.unique(cur * vocab_size + nxt, return_counts=True)
-    overall = torch.bincount(nxt, minlength=vocab_size).argmax()
-    table = torch.full((vocab_size,), int(overall), dtype=torch.long)
-    cur_u, nxt_u = pairs // vocab_size, pairs % vocab_size
-    c = int(counts.max()) + 1
-    key = cur_u * (c * vocab_size) + (c - counts) * vocab_size + nxt_u  # (token asc, count desc, next asc)
-    order = torch.argsort(key)
-    cur_s = cur_u[order]
-    first = torch.ones_like(cur_s, dtype=torch.bool)
-    first[1:] = cur_s[1:] != cur_s[:-1]
-    table[cur_s[first]] = nxt_u[order][first]
-    return table
+    positions int64 [P] (the train anchors). :class:`BigramCounts` over one set."""
+    counts = BigramCounts(vocab_size)
+    counts.add(input_ids[positions], argmax[positions])
+    return counts.table()
 
 
 def bigram_draft(table: torch.Tensor, tokens: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -1,20 +1,35 @@
-"""Train a drafter on a capture run, score it offline, save and load checkpoints.
+"""Train a drafter on a capture run, streamed: bounded memory at any run size, exact resume, several ranks.
 
-Outputs in ``cfg.out``: ``model.safetensors`` (trainable tensors and ``vocab``; the frozen target
-embeddings are re-read from ``target_dir``), ``config.json`` (the :class:`TrainConfig`, the
-:class:`ModelConfig`, the tap columns, the target folder and the SHA-256 of its embeddings),
-``train_set.npz`` (:func:`drafter.data.fingerprint` of the conversations trained on: a later
-``evaluate_checkpoint`` skips any row sharing a sample_id or a prompt with them) and ``metrics.jsonl``
-(one JSON object a line: ``data`` (conversations, tokens, anchors, overlaps removed), ``train`` every
-``log_every`` steps, ``fixed_loss`` before and after training, ``eval`` for the untrained drafter, the
-bigram baseline and the trained drafter on the held-out set).
+The loop, read top to bottom in :func:`train`:
+
+1. **Scan** (:func:`prepare`): one pass over the held-out set and one over the train split reading ids,
+   masks and argmax only (:func:`drafter.data.scan`): counts, the head's vocabulary (the train labels),
+   the bigram baseline, the fingerprints that keep the two sets apart. No state is decoded.
+2. **Stream**: a :class:`shards.stream.ShardStream` of the train split, shuffled by ``(seed, epoch)``,
+   split over ``torch.distributed`` ranks, read by ``workers`` DataLoader processes that decode and
+   normalize each conversation and draw its anchors (:class:`drafter.data.Conversations`). A step takes
+   the next ``anchors_per_step // anchors_per_seq`` conversations of its rank (one batch row each); an
+   epoch that ends mid-batch continues with the next epoch's order, so every rank makes the same steps.
+   Memory: the stream's shuffle buffer holds shard/row numbers, its workers a few decoded conversations,
+   the trainer one batch.
+3. **Step**: the block loss (:func:`block_loss`), gradients averaged over the ranks (one ``all_reduce``
+   a parameter: what DDP does, without its bucketing), clipped to norm 1, AdamW with warm-up and cosine.
+4. **Checkpoint** every ``checkpoint_every`` steps and at the end (:mod:`drafter.checkpoint`: model,
+   optimizer, RNG, every rank's stream position, written by rank 0). A trainer started again with the
+   same ``--out`` continues from the latest one: the rest of each epoch in the same order, every row
+   once, the same steps as a run never stopped.
+5. **Score** on rank 0 (:mod:`drafter.evaluate`): the untrained drafter, the bigram and prompt-lookup
+   baselines before training, the drafter after.
+
+Files in ``cfg.out``: the trained drafter (:mod:`drafter.checkpoint`), ``metrics.jsonl`` (one JSON object
+a line: ``data``, ``eval`` for each model scored, ``fixed_loss`` before and after, ``train`` every
+``log_every`` steps) and ``samples.jsonl`` (per step, ``[rank, epoch, sample_id]`` of each conversation
+trained on).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -23,41 +38,40 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from common.errors import CaptureError
-from shards.format import RunHeader
-from shards.run import MANIFEST, MANIFEST_DIR, as_location
-from drafter import blocks, data, metrics
+from drafter import blocks, checkpoint, data, evaluate
 from drafter.config import TrainConfig
 from drafter.model import Drafter, ModelConfig, load_target_head
+from shards.format import RunHeader
+from shards.run import MANIFEST, MANIFEST_DIR, as_location
+from shards.stream import ShardStream
 
-CHECKPOINT = "model.safetensors"
-CONFIG = "config.json"
 METRICS = "metrics.jsonl"
-TRAIN_SET = "train_set.npz"
+SAMPLES = "samples.jsonl"
+FIXED_ANCHORS = 1024  # anchors of the fixed train batches whose loss is logged before and after training
 
 
 @dataclasses.dataclass
-class Data:
-    """Train and held-out conversations (:func:`drafter.data.prepare` dicts) and what a drafter needs
-    besides. ``overlap``: train conversations dropped for sharing a sample_id or prompt with a held-out one."""
+class Setup:
+    """What training needs besides the stream: the run header, the target's frozen tensors, and the
+    :class:`drafter.data.Scan` of each set (``held``: of ``held_source``, ``(run, split, fraction)``)."""
 
     header: RunHeader
-    train: list[dict]
-    heldout: list[dict]
     target_dir: Path
     embed: torch.Tensor  # [V, H], the stored dtype
     lm_head: torch.Tensor  # [V, H]
-    overlap: int = 0
+    train: data.Scan
+    held: data.Scan
+    train_source: tuple[str, str, float]
+    held_source: tuple[str, str, float]
 
     def summary(self) -> dict:
-        def count(seqs):
-            return {"conversations": len(seqs), "tokens": sum(len(s["input_ids"]) for s in seqs),
-                    "anchors": sum(len(blocks.valid_anchors(s["loss_mask"])) for s in seqs)}
-
-        return {"train": count(self.train), "heldout": count(self.heldout), "overlap_removed": self.overlap}
+        return {"train": self.train.summary(), "heldout": self.held.summary(), "overlap_removed": self.train.removed}
 
 
 def default_target_dir(run_dir: str | os.PathLike) -> Path:
@@ -82,71 +96,54 @@ def check_compatible(run: str, header: RunHeader, other: str, theirs: RunHeader)
             raise CaptureError(f"{other} has {what} {other_value}, {run} has {mine}: not the same target capture")
 
 
-def load_data(run: str, heldout_fraction: float, target_dir: str | None = None,
-              heldout_run: str | None = None, topk: bool = False, online: str | None = None) -> Data:
-    """Read the conversations of ``run`` into memory. Held out: every row of ``heldout_run`` when given,
-    else ``run``'s :func:`drafter.data.heldout` split; train rows sharing a sample_id or prompt with a
-    held-out row are dropped (counted). ``topk``: the runs must store top-K logits. ``online``: a capture
-    config YAML; its rows come straight from a live capture (:func:`drafter.data.online_samples`) instead
-    of ``run``'s shards. Raises CaptureError when either set is empty, the runs differ in taps or
-    tokenizer, or the target folder has no embeddings."""
-    if online:
-        header, samples, run = data.online_samples(online, topk=topk)
-    else:
-        header, samples = data.run_header(run), data.load_samples(run, topk=topk)
-    if topk and not header.topk:
-        raise CaptureError(f"{run} stores no top-K logits (capture it with --topk K) but kl_weight > 0")
-    tdir = Path(target_dir) if target_dir else default_target_dir(run)
-    if heldout_run:
-        check_compatible(run, header, heldout_run, data.run_header(heldout_run))
-        train, held = list(samples), list(data.load_samples(heldout_run))
-        where = f"{heldout_run} (all rows)"
-    else:
-        train, held = [], []
-        for s in samples:
-            (held if data.heldout(s["sample_id"], heldout_fraction) else train).append(s)
-        where = f"heldout_fraction {heldout_fraction}"
-    train, overlap = data.disjoint(train, held)
-    if not train or not held:
-        raise CaptureError(f"{run}: {len(train)} train and {len(held)} held-out conversations ({where}); "
-                           "both sets need at least one: capture more rows or change --heldout-fraction")
+def prepare(cfg: TrainConfig) -> Setup:
+    """Check the runs and scan both sets (module docstring, step 1). Held out: every row of
+    ``cfg.heldout_run`` when given (then ``cfg.run`` trains whole), else ``cfg.run``'s held-out split.
+    Raises CaptureError when either set is empty, the runs differ in taps or tokenizer, the run lacks the
+    top-K a ``kl_weight`` needs, or the target folder has no matching embeddings."""
+    header = data.run_header(cfg.run)
+    if cfg.kl_weight and not header.topk:
+        raise CaptureError(f"{cfg.run} stores no top-K logits (capture it with --topk K) but kl_weight > 0")
+    tdir = Path(cfg.target_dir) if cfg.target_dir else default_target_dir(cfg.run)
     embed, lm_head = load_target_head(tdir)
     if embed.shape[1] != header.hidden_size:
         raise CaptureError(f"{tdir}: hidden size {embed.shape[1]} but the run stores {header.hidden_size}")
-    return Data(header, train, held, tdir, embed, lm_head, overlap)
+    if cfg.heldout_run:
+        check_compatible(cfg.run, header, cfg.heldout_run, data.run_header(cfg.heldout_run))
+        held_source, train_source = (cfg.heldout_run, "all", 0.0), (cfg.run, "all", 0.0)
+        where = f"{cfg.heldout_run} (all rows)"
+    else:
+        held_source = (cfg.run, "heldout", cfg.heldout_fraction)
+        train_source = (cfg.run, "train", cfg.heldout_fraction)
+        where = f"heldout_fraction {cfg.heldout_fraction}"
+    V = embed.shape[0]
+    held = data.scan(*held_source, cfg.block_size, V)
+    train = data.scan(*train_source, cfg.block_size, V, cfg.labels, exclude=held.prints)
+    if not train.conversations or not held.conversations:
+        raise CaptureError(f"{cfg.run}: {train.conversations} train and {held.conversations} held-out conversations "
+                           f"({where}); both sets need at least one: capture more rows or change --heldout-fraction")
+    return Setup(header, tdir, embed, lm_head, train, held, train_source, held_source)
 
 
-def tensor_sha256(t: torch.Tensor) -> str:
-    """SHA-256 of a tensor's raw bytes (its dtype as stored, C order)."""
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def build_model(cfg: TrainConfig, d: Data) -> Drafter:
+def build_model(cfg: TrainConfig, header: RunHeader, embed: torch.Tensor, lm_head: torch.Tensor,
+                label_counts: np.ndarray) -> Drafter:
     """A freshly initialized drafter (``torch.manual_seed(cfg.seed)`` first, so the same seed gives the
-    same weights). Its vocabulary is the train split's labels (the ``cfg.draft_vocab_size`` most frequent
-    of them, when set) or the full one (``cfg.head_vocab``)."""
-    mcfg = ModelConfig(num_taps=len(data.tap_columns(d.header)), hidden_size=d.header.hidden_size,
-                       vocab_size=d.embed.shape[0], d_model=cfg.d_model, n_layers=cfg.n_layers,
+    same weights). Its vocabulary is the ids with a nonzero ``label_counts`` (int64 [V], the train labels;
+    the ``cfg.draft_vocab_size`` most frequent of them, ties to the lower id, when set) or the full one
+    (``cfg.head_vocab``)."""
+    mcfg = ModelConfig(num_taps=len(data.tap_columns(header)), hidden_size=header.hidden_size,
+                       vocab_size=embed.shape[0], d_model=cfg.d_model, n_layers=cfg.n_layers,
                        n_heads=cfg.n_heads, block_size=cfg.block_size, window=cfg.window, dropout=cfg.dropout,
                        lookup=cfg.lookup)
     vocab = None
     if cfg.head_vocab == "train-labels":
-        found = []
-        for s in d.train:
-            labels, valid = blocks.block_targets(s, blocks.valid_anchors(s["loss_mask"]), cfg.block_size, cfg.labels)
-            found.append(labels[valid])
-        vocab, counts = torch.unique(torch.cat(found), return_counts=True)
-        if cfg.draft_vocab_size and len(vocab) > cfg.draft_vocab_size:  # the most frequent labels (ties: lower id)
-            order = torch.argsort(counts, descending=True, stable=True)[: cfg.draft_vocab_size]
+        counts = torch.from_numpy(label_counts)
+        vocab = torch.nonzero(counts).flatten()
+        if cfg.draft_vocab_size and len(vocab) > cfg.draft_vocab_size:
+            order = torch.argsort(counts[vocab], descending=True, stable=True)[: cfg.draft_vocab_size]
             vocab = vocab[order.sort().values]
     torch.manual_seed(cfg.seed)
-    return Drafter(mcfg, d.embed, d.lm_head, vocab)
-
-
-def _autocast(precision: str):
-    if precision == "bfloat16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    return Drafter(mcfg, embed, lm_head, vocab)
 
 
 def block_loss(model: Drafter, batch: blocks.Batch, loss_decay: float, kl_weight: float = 0.0,
@@ -162,7 +159,7 @@ def block_loss(model: Drafter, batch: blocks.Batch, loss_decay: float, kl_weight
     w = torch.exp(-torch.arange(Bm1, dtype=torch.float32) / loss_decay) if loss_decay else torch.ones(Bm1)
     w = w * valid  # [S, M, B-1]
     rows = w > 0
-    with _autocast(precision):
+    with evaluate.autocast(precision):
         look = batch.lookup[rows] if batch.lookup is not None else None
         logits = model.logits(model(batch)[rows], look).float()  # [R, V']
     logp = F.log_softmax(logits, dim=-1)
@@ -176,69 +173,6 @@ def block_loss(model: Drafter, batch: blocks.Batch, loss_decay: float, kl_weight
     return loss.sum() / w.sum().clamp(min=1e-9)
 
 
-def anchor_rows(seqs: list[dict], per_row: int, limit: int = 0) -> list[tuple[int, torch.Tensor]]:
-    """(conversation index, anchors) rows covering every valid anchor of ``seqs``, or ``limit`` of them
-    evenly spaced over the whole set (0: all), at most ``per_row`` anchors a row."""
-    every = [(i, blocks.valid_anchors(s["loss_mask"])) for i, s in enumerate(seqs)]
-    total = sum(len(a) for _, a in every)
-    if limit and total > limit:
-        pick = torch.arange(limit) * total // limit  # global anchor numbers, increasing
-        start, kept = 0, []
-        for i, a in every:
-            sel = pick[(pick >= start) & (pick < start + len(a))] - start
-            kept.append((i, a[sel]))
-            start += len(a)
-        every = kept
-    return [(i, r) for i, a in every for r in blocks.rows_of(a, per_row)]
-
-
-def batches(seqs: list[dict], rows: list[tuple[int, torch.Tensor]], rows_per_batch: int, block_size: int,
-            labels: str = "argmax", topk: bool = False, lookup: int = 0):
-    """:class:`blocks.Batch` es of ``rows_per_batch`` rows, in order."""
-    for start in range(0, len(rows), rows_per_batch):
-        part = rows[start:start + rows_per_batch]
-        yield blocks.make_batch([seqs[i] for i, _ in part], [a for _, a in part], block_size, labels, topk, lookup)
-
-
-@torch.no_grad()
-def evaluate(model: Drafter, seqs: list[dict], rows: list[tuple[int, torch.Tensor]], rows_per_batch: int = 8,
-             precision: str = "float32") -> dict:
-    """Offline score of ``model`` on the anchors ``rows`` of ``seqs`` against the target's greedy tokens
-    (:mod:`drafter.metrics`): accept_len, accept_len_with_bonus, first_token_acc, position_acc, blocks."""
-    model.eval()
-    score = metrics.Score()
-    for batch in batches(seqs, rows, rows_per_batch, model.cfg.block_size, lookup=model.cfg.lookup):
-        real = batch.anchors >= 0
-        with _autocast(precision):
-            pred = model.vocab[model.logits(model(batch), batch.lookup).float().argmax(-1)]
-        score.add(pred[real], batch.labels[real], batch.valid[real])
-    return score.as_dict()
-
-
-def evaluate_bigram(train: list[dict], held: list[dict], rows: list[tuple[int, torch.Tensor]], block_size: int,
-                    vocab_size: int) -> dict:
-    """The bigram baseline fitted on the train split's anchors, scored like :func:`evaluate`: from the
-    anchor token ``x_a``, chained ``B-1`` steps."""
-    cur = torch.cat([s["input_ids"][blocks.valid_anchors(s["loss_mask"])] for s in train])
-    nxt = torch.cat([s["argmax"][blocks.valid_anchors(s["loss_mask"])] for s in train])
-    table = metrics.fit_bigram(cur, nxt, torch.arange(len(cur)), vocab_size)
-    score = metrics.Score()
-    for i, a in rows:
-        labels, valid = blocks.block_targets(held[i], a, block_size, "argmax")
-        score.add(metrics.bigram_draft(table, held[i]["input_ids"][a], block_size - 1), labels, valid)
-    return score.as_dict()
-
-
-def evaluate_lookup(held: list[dict], rows: list[tuple[int, torch.Tensor]], block_size: int, n: int = 2) -> dict:
-    """The prompt-lookup baseline (:func:`drafter.metrics.lookup_draft`, bigram match), scored like
-    :func:`evaluate`; it trains on nothing."""
-    score = metrics.Score()
-    for i, a in rows:
-        labels, valid = blocks.block_targets(held[i], a, block_size, "argmax")
-        score.add(metrics.lookup_draft(held[i]["input_ids"], a, block_size, n), labels, valid)
-    return score.as_dict()
-
-
 def _lr(cfg: TrainConfig, step: int) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -246,64 +180,147 @@ def _lr(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-class AnchorSampler:
-    """Training rows drawn uniformly over the valid anchors of ``seqs``: a conversation with probability
-    proportional to its anchors, then ``per_row`` of its anchors without replacement (all when fewer)."""
-
-    def __init__(self, seqs: list[dict], per_row: int, generator: torch.Generator):
-        self.anchors = [blocks.valid_anchors(s["loss_mask"]) for s in seqs]
-        self.weights = torch.tensor([float(len(a)) for a in self.anchors])
-        self.per_row, self.gen = per_row, generator
-
-    def rows(self, n: int) -> list[tuple[int, torch.Tensor]]:
-        picked = torch.multinomial(self.weights, n, replacement=True, generator=self.gen).tolist()
-        out = []
-        for i in picked:
-            a = self.anchors[i]
-            take = torch.randperm(len(a), generator=self.gen)[: self.per_row]
-            out.append((i, a[take.sort().values]))
-        return out
+def optimizer(cfg: TrainConfig, model: Drafter) -> torch.optim.AdamW:
+    """AdamW over the drafter's trainable parameters (``lr`` set per step by :func:`train_step`)."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                             weight_decay=cfg.weight_decay)
 
 
-def train(cfg: TrainConfig, d: Data | None = None) -> dict:
-    """Train a drafter as ``cfg`` says and write the outputs (module docstring) into ``cfg.out``.
-    ``d``: preloaded data (:func:`load_data` with the same runs), else read here. Returns
-    ``{"data", "untrained", "bigram", "drafter"}`` (held-out scores), ``fixed_loss`` before/after and
-    ``seconds`` (training loop only). Rows are drawn with a generator seeded by ``cfg.seed``, so a run
-    is reproducible on one machine. Raises CaptureError when ``out`` already holds a drafter."""
+def train_step(model: Drafter, opt: torch.optim.Optimizer, convs: list[dict], cfg: TrainConfig, step: int,
+               world: int = 1) -> float:
+    """One optimizer step on the batch of ``convs`` (conversations with their ``anchors``, one batch row
+    each): the learning rate of ``step`` (0-based), :func:`block_loss`, gradients averaged over ``world``
+    ranks (an ``all_reduce`` a parameter), clipped to norm 1. Returns the loss (float)."""
+    for group in opt.param_groups:
+        group["lr"] = _lr(cfg, step)
+    batch = blocks.make_batch(convs, [c["anchors"] for c in convs], cfg.block_size, cfg.labels, cfg.kl_weight > 0,
+                              cfg.lookup)
+    loss = block_loss(model, batch, cfg.loss_decay, cfg.kl_weight, cfg.precision)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    params = [p for group in opt.param_groups for p in group["params"]]
+    if world > 1:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+            p.grad /= world
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    return loss.item()
+
+
+def _world() -> tuple[int, int]:
+    """(rank, world size): ``torch.distributed``'s, initializing it (gloo on CPU) when ``torchrun`` set
+    ``WORLD_SIZE`` > 1; else (0, 1)."""
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather(obj, world: int) -> list:
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _fixed_batches(cfg: TrainConfig, s: Setup, per_step: int) -> list[blocks.Batch]:
+    """The first train conversations in manifest order, anchors drawn for "epoch" -1, up to
+    :data:`FIXED_ANCHORS` anchors, as batches of ``per_step`` rows: the loss logged before and after."""
+    run, split, fraction = s.train_source
+    stream = ShardStream(run, split=split, heldout_fraction=fraction, final=False, topk=cfg.kl_weight > 0, rank=0,
+                         world_size=1)
+    stream.epoch = -1  # anchors of their own, not those of a training epoch
+    convs, n = [], 0
+    for conv in data.Conversations(stream, cfg.anchors_per_seq, cfg.seed, s.held.prints):
+        if "skip" in conv:
+            continue
+        convs.append(conv)
+        n += len(conv["anchors"])
+        if n >= FIXED_ANCHORS:
+            break
+    return [blocks.make_batch(part, [c["anchors"] for c in part], cfg.block_size, cfg.labels, cfg.kl_weight > 0,
+                              cfg.lookup) for part in (convs[i:i + per_step] for i in range(0, len(convs), per_step))]
+
+
+def _check_out(cfg: TrainConfig) -> Path:
     out = Path(cfg.out)
-    if (out / CHECKPOINT).exists():
+    if (out / checkpoint.CHECKPOINT).exists():
         raise CaptureError(f"{out} already holds a trained drafter; train into another --out")
     if (out / MANIFEST).exists() or (out / MANIFEST_DIR).exists():
         raise CaptureError(f"{out} holds a capture run; train into another --out")
-    d = d or load_data(cfg.run, cfg.heldout_fraction, cfg.target_dir, cfg.heldout_run, topk=cfg.kl_weight > 0,
-                       online=cfg.online)
-    if cfg.kl_weight and "topk_ids" not in d.train[0]:
-        raise CaptureError(f"{cfg.run} stores no top-K logits (capture it with --topk K) but kl_weight > 0")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CaptureError(f"cannot create --out {out}: {e.strerror or e}") from None
-    with open(out / METRICS, "w") as log:
-
-        def emit(entry: dict) -> None:
-            log.write(json.dumps(entry) + "\n")
-            log.flush()
-
-        return _train(cfg, d, out, emit)
+    return out
 
 
-def _train(cfg: TrainConfig, d: Data, out: Path, emit) -> dict:
-    model = build_model(cfg, d)
-    B, topk = cfg.block_size, cfg.kl_weight > 0
-    result = {"data": d.summary()}
-    emit({"kind": "data", **result["data"]})
-    held = anchor_rows(d.heldout, cfg.anchors_per_seq, cfg.eval_anchors)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    sampler = AnchorSampler(d.train, cfg.anchors_per_seq, gen)
-    per_step = max(1, cfg.anchors_per_step // cfg.anchors_per_seq)
-    n = model.cfg.lookup
-    fixed = list(batches(d.train, sampler.rows(max(1, 1024 // cfg.anchors_per_seq)), per_step, B, cfg.labels, topk, n))
+_RESUME_FREE = ("out", "progress", "workers", "checkpoint_every")  # settings a resume may change: same rows, same drafter
+
+
+def _resumable(saved: dict, cfg: TrainConfig, world: int, folder: Path) -> None:
+    """Raise CaptureError unless a training checkpoint was made by this config and world size."""
+    mine = dataclasses.asdict(cfg)
+    diff = [k for k, v in saved["config"].items() if k not in _RESUME_FREE and mine.get(k) != v]
+    if diff:
+        raise CaptureError(f"{folder} was trained with other settings ({', '.join(diff)}); resume with the same "
+                           "ones or train into another --out")
+    if saved["world_size"] != world:
+        raise CaptureError(f"{folder} was saved by {saved['world_size']} rank(s), this trainer has {world}: resume "
+                           "with the same world size")
+
+
+class _Logs:
+    """``metrics.jsonl`` and ``samples.jsonl``, appended by rank 0 only; cut back to a checkpoint's lengths
+    on resume, so that they hold each step once."""
+
+    def __init__(self, out: Path, rank: int, lengths: dict | None):
+        self.files = {}
+        if rank != 0:
+            return
+        for name in (METRICS, SAMPLES):
+            f = open(out / name, "r+b" if lengths and (out / name).exists() else "wb")
+            f.truncate(lengths.get(name, 0) if lengths else 0)
+            f.seek(0, os.SEEK_END)
+            self.files[name] = f
+
+    def write(self, name: str, entry: dict) -> None:
+        if name in self.files:
+            self.files[name].write((json.dumps(entry) + "\n").encode())
+            self.files[name].flush()
+
+    def lengths(self) -> dict:
+        return {name: f.tell() for name, f in self.files.items()}
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train a drafter as ``cfg`` says, streamed (module docstring), and write the outputs into ``cfg.out``.
+    Returns ``{"data", "untrained", "bigram", "lookup", "drafter"}`` (held-out scores), ``fixed_loss``
+    before/after and ``seconds`` (the training loop of this process). Raises CaptureError when ``out``
+    already holds a drafter or a run, or holds a checkpoint of other settings or another world size."""
+    if cfg.online:
+        from drafter import online
+
+        return online.train(cfg)
+    out = _check_out(cfg)
+    rank, world = _world()
+    s = prepare(cfg)
+    model = build_model(cfg, s.header, s.embed, s.lm_head, s.train.label_counts)
+    opt = optimizer(cfg, model)
+    per_step, topk = max(1, cfg.anchors_per_step // cfg.anchors_per_seq), cfg.kl_weight > 0
+    run, split, fraction = s.train_source
+    stream = ShardStream(run, split=split, heldout_fraction=fraction, final=False, topk=topk, shuffle=True,
+                         seed=cfg.seed, shuffle_buffer=cfg.shuffle_buffer, rank=rank, world_size=world)
+    fixed = _fixed_batches(cfg, s, per_step)
 
     def loss_of(batch):
         return block_loss(model, batch, cfg.loss_decay, cfg.kl_weight, cfg.precision)
@@ -312,105 +329,150 @@ def _train(cfg: TrainConfig, d: Data, out: Path, emit) -> dict:
         with torch.no_grad():
             return sum(float(loss_of(b)) for b in fixed) / len(fixed)
 
-    result["untrained"] = evaluate(model, d.heldout, held, cfg.eval_rows, cfg.precision)
-    result["bigram"] = evaluate_bigram(d.train, d.heldout, held, B, model.cfg.vocab_size)
-    result["lookup"] = evaluate_lookup(d.heldout, held, B, cfg.lookup or 2)
-    for name in ("untrained", "bigram", "lookup"):
-        emit({"kind": "eval", "model": name, "split": "heldout", **result[name]})
-    result["fixed_loss"] = [fixed_loss()]
-    emit({"kind": "fixed_loss", "step": 0, "loss": result["fixed_loss"][0]})
+    def held_rows():
+        return evaluate.heldout_rows(*s.held_source, s.held, cfg.anchors_per_seq, cfg.eval_anchors)
 
+    step, resume = 0, checkpoint.latest(out)
+    if resume is not None:
+        state, rngs = checkpoint.load_state(resume, model, opt)
+        _resumable(state, cfg, world, resume)
+        stream.load_state_dict(state["streams"][rank])
+        torch.set_rng_state(rngs[rank])
+        step = state["step"]
+    logs = _Logs(out, rank, state["logs"] if resume is not None else None)
+    if resume is None and rank == 0:
+        logs.write(METRICS, {"kind": "data", **s.summary()})
+        scores = evaluate.score(held_rows(), cfg.block_size, model, s.train.bigram.table(), cfg.lookup or 2,
+                                cfg.eval_rows, cfg.precision)
+        for name, entry in (("untrained", scores["drafter"]), ("bigram", scores["bigram"]), ("lookup", scores["lookup"])):
+            logs.write(METRICS, {"kind": "eval", "model": name, "split": "heldout", **entry})
+        logs.write(METRICS, {"kind": "fixed_loss", "step": 0, "loss": fixed_loss()})
+
+    loader = DataLoader(data.Conversations(stream, cfg.anchors_per_seq, cfg.seed, s.held.prints), batch_size=None,
+                        num_workers=cfg.workers)
     model.train()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    start = time.perf_counter()
-    bar = tqdm(range(cfg.steps), desc=f"train seed {cfg.seed}", unit="step", disable=not cfg.progress)
-    for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = _lr(cfg, step)
-        (batch,) = batches(d.train, sampler.rows(per_step), per_step, B, cfg.labels, topk, n)
-        loss = loss_of(batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        opt.step()
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-            emit({"kind": "train", "step": step + 1, "loss": loss.item(), "lr": _lr(cfg, step),
-                  "seconds": round(time.perf_counter() - start, 2)})
-    result["seconds"] = round(time.perf_counter() - start, 2)
-    model.eval()
-    result["fixed_loss"].append(fixed_loss())
-    emit({"kind": "fixed_loss", "step": cfg.steps, "loss": result["fixed_loss"][1]})
-    save_checkpoint(model, cfg, d, out)
-    result["drafter"] = evaluate(model, d.heldout, held, cfg.eval_rows, cfg.precision)
-    emit({"kind": "eval", "model": "drafter", "split": "heldout", "train_seconds": result["seconds"],
-          **result["drafter"]})
+    items, consumed, trained_in_epoch = iter(loader), 0, 0
+    pending: list[dict] = []
+    start, waited = time.perf_counter(), 0.0
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"train seed {cfg.seed}", unit="step",
+               disable=not cfg.progress or rank != 0)
+    while step < cfg.steps:
+        t0 = time.perf_counter()
+        try:
+            item = next(items)
+        except StopIteration:  # the epoch ended: the next one, in its own order
+            if not trained_in_epoch and not pending:
+                raise CaptureError(f"{run}: rank {rank} of {world} has no train conversation to read") from None
+            stream.set_epoch(stream.epoch + 1)
+            items, consumed, trained_in_epoch = iter(loader), 0, 0
+            continue
+        waited += time.perf_counter() - t0
+        consumed += 1
+        if "skip" in item:
+            continue
+        item["epoch"] = stream.epoch
+        pending.append(item)
+        trained_in_epoch += 1
+        if len(pending) < per_step:
+            continue
+        loss = train_step(model, opt, pending, cfg, step, world)
+        trained = _gather([[rank, c["epoch"], c["sample_id"]] for c in pending], world)
+        logs.write(SAMPLES, {"step": step + 1, "samples": [x for part in trained for x in part]})
+        pending, step = [], step + 1
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            bar.set_postfix(loss=f"{loss:.3f}")
+            logs.write(METRICS, {"kind": "train", "step": step, "loss": loss, "lr": _lr(cfg, step - 1),
+                                 "seconds": round(time.perf_counter() - start, 2),
+                                 "waited_s": round(waited, 2)})
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            _save(out, step, model, opt, stream.state_dict(consumed=consumed), logs, cfg, rank, world)
+    bar.close()
+    seconds = round(time.perf_counter() - start, 2)
+    if rank == 0:
+        model.eval()
+        logs.write(METRICS, {"kind": "fixed_loss", "step": cfg.steps, "loss": fixed_loss()})
+        meta = {"train": dataclasses.asdict(cfg), "taps": data.tap_columns(s.header), "target": s.header.target,
+                "tokenizer_sha256": s.header.tokenizer_sha256, "target_dir": str(s.target_dir),
+                "embed_sha256": checkpoint.tensor_sha256(s.embed), "lm_head_sha256": checkpoint.tensor_sha256(s.lm_head)}
+        checkpoint.save(model, meta, s.train.prints, out)
+        drafter = evaluate.score(held_rows(), cfg.block_size, model, rows_per_batch=cfg.eval_rows,
+                                 precision=cfg.precision)["drafter"]
+        logs.write(METRICS, {"kind": "eval", "model": "drafter", "split": "heldout", "train_seconds": seconds,
+                             "waited_s": round(waited, 2), **drafter})
+    logs.close()
+    if world > 1:
+        dist.barrier()
+    return {**result_of(out / METRICS), "seconds": seconds, "waited_s": round(waited, 2)}
+
+
+def _save(out: Path, step: int, model: Drafter, opt, stream_state: dict, logs: _Logs, cfg: TrainConfig,
+          rank: int, world: int) -> None:
+    """Every rank's stream state and RNG to rank 0, which writes the checkpoint; an error there is raised
+    on every rank (one line each)."""
+    streams, rngs = _gather(stream_state, world), _gather(torch.get_rng_state(), world)
+    error = None
+    if rank == 0:
+        try:
+            checkpoint.save_state(out, step, model, opt, rngs, {"streams": streams, "world_size": world,
+                                                                "logs": logs.lengths(), "config": dataclasses.asdict(cfg)})
+        except CaptureError as e:
+            error = str(e)
+    if world > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise CaptureError(error)
+
+
+def result_of(metrics_path: Path) -> dict:
+    """The result dict of a finished training from its ``metrics.jsonl``: ``data``, each ``eval`` model's
+    scores under its name, ``fixed_loss`` [before, after]."""
+    result, fixed = {}, []
+    for line in Path(metrics_path).read_text().splitlines():
+        entry = json.loads(line)
+        kind = entry.pop("kind")
+        if kind == "data":
+            result["data"] = entry
+        elif kind == "eval":
+            name = entry.pop("model")
+            entry.pop("split", None)
+            entry.pop("train_seconds", None)
+            entry.pop("waited_s", None)
+            result[name] = entry
+        elif kind == "fixed_loss":
+            fixed.append(entry["loss"])
+    result["fixed_loss"] = fixed
     return result
-
-
-def save_checkpoint(model: Drafter, cfg: TrainConfig, d: Data, out: str | os.PathLike) -> None:
-    """Write ``model.safetensors``, ``config.json`` and ``train_set.npz`` into ``out``."""
-    from safetensors.torch import save_file
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / CHECKPOINT))
-    meta = {"train": dataclasses.asdict(cfg), "model": dataclasses.asdict(model.cfg),
-            "taps": data.tap_columns(d.header), "target": d.header.target,
-            "tokenizer_sha256": d.header.tokenizer_sha256, "target_dir": str(d.target_dir),
-            "embed_sha256": tensor_sha256(d.embed), "lm_head_sha256": tensor_sha256(d.lm_head)}
-    (out / CONFIG).write_text(json.dumps(meta, indent=1) + "\n")
-    np.savez(out / TRAIN_SET, **data.fingerprint(d.train))
-
-
-def load_checkpoint(path: str | os.PathLike, target_dir: str | None = None) -> tuple[Drafter, dict]:
-    """(drafter in eval mode, config.json contents) from a folder written by :func:`save_checkpoint`.
-    The frozen target tensors are read from ``target_dir`` (default: the recorded one) and must hash
-    as recorded. Raises CaptureError for a missing or foreign checkpoint or other target weights."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    try:
-        meta = json.loads((path / CONFIG).read_text())
-        state = load_file(str(path / CHECKPOINT))
-    except (OSError, ValueError) as e:
-        raise CaptureError(f"{path}: not a drafter checkpoint ({e})") from None
-    tdir = Path(target_dir or meta["target_dir"])
-    embed, lm_head = load_target_head(tdir)
-    if tensor_sha256(embed) != meta["embed_sha256"] or tensor_sha256(lm_head) != meta["lm_head_sha256"]:
-        raise CaptureError(f"{tdir}: its embeddings / LM head are not the ones {path} was trained with")
-    model = Drafter(ModelConfig(**meta["model"]), embed, lm_head, state["vocab"])
-    model.load_state_dict(state)
-    return model.eval(), meta
 
 
 def evaluate_checkpoint(path: str | os.PathLike, run: str, split: str = "heldout",
                         heldout_fraction: float | None = None, limit: int | None = None,
                         target_dir: str | None = None) -> dict:
     """Score a saved drafter on ``run``'s ``split`` (``heldout``, ``train`` or ``all``; the held-out
-    fraction defaults to the one it was trained with; ``limit`` anchors as in :func:`anchor_rows`,
-    default the training config's ``eval_anchors``). Rows sharing a sample_id or a prompt with the
-    drafter's training set are skipped and counted (``skipped_trained_on``), so a score never comes from
-    trained-on conversations (``split="train"`` then scores nothing and is refused). Raises
-    CaptureError when the run's taps differ from the checkpoint's or nothing is left to score."""
-    model, meta = load_checkpoint(path, target_dir)
+    fraction defaults to the one it was trained with; ``limit`` anchors as in
+    :func:`drafter.evaluate.select_anchors`, default the training config's ``eval_anchors``), streamed.
+    Rows sharing a sample_id or a prompt with the drafter's training set are skipped and counted
+    (``skipped_trained_on``), so a score never comes from trained-on conversations (``split="train"``
+    then scores nothing and is refused). Raises CaptureError when the run's taps differ from the
+    checkpoint's or nothing is left to score."""
+    model, meta = checkpoint.load(path, target_dir)
     header = data.run_header(run)
     if data.tap_columns(header) != meta["taps"] or header.hidden_size != model.cfg.hidden_size:
         raise CaptureError(f"{run} stores {data.tap_columns(header)} (hidden {header.hidden_size}); "
                            f"the drafter was trained on {meta['taps']} (hidden {model.cfg.hidden_size})")
+    if split not in data.SPLITS:
+        raise CaptureError(f"unknown split {split!r} ({', '.join(data.SPLITS)})")
     fraction = meta["train"]["heldout_fraction"] if heldout_fraction is None else heldout_fraction
-    prints = dict(np.load(Path(path) / TRAIN_SET))
-    samples, skipped = [], 0
-    for s in data.load_samples(run, split, fraction):
-        if data.seen(s, prints):
-            skipped += 1
-        else:
-            samples.append(s)
-    if not samples:
+    prints = dict(np.load(Path(path) / checkpoint.TRAIN_SET))
+    s = data.scan(run, split, fraction, model.cfg.block_size, model.cfg.vocab_size, exclude=prints)
+    if not s.conversations:
         raise CaptureError(f"{run}: no {split} conversations to score at heldout_fraction {fraction} "
-                           f"({skipped} skipped: the drafter was trained on them)")
+                           f"({s.removed} skipped: the drafter was trained on them)")
     train_cfg = meta["train"]
-    rows = anchor_rows(samples, train_cfg["anchors_per_seq"], train_cfg["eval_anchors"] if limit is None else limit)
-    score = evaluate(model, samples, rows, train_cfg["eval_rows"], train_cfg["precision"])
-    return {"split": split, "conversations": len(samples), "skipped_trained_on": skipped, **score}
+    rows = evaluate.heldout_rows(run, split, fraction, s, train_cfg["anchors_per_seq"],
+                                 train_cfg["eval_anchors"] if limit is None else limit, exclude=prints)
+    score = evaluate.score(rows, model.cfg.block_size, model, rows_per_batch=train_cfg["eval_rows"],
+                           precision=train_cfg["precision"])["drafter"]
+    return {"split": split, "conversations": s.conversations, "skipped_trained_on": s.removed, **score}

@@ -5,6 +5,11 @@ on small real SmolLM2 captures."""
 import dataclasses
 import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -12,13 +17,13 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import capture_cli, capture_inproc
-from drafter import blocks, data, metrics
+from conftest import REPO, capture_cli, capture_inproc, free_port
+from drafter import blocks, checkpoint, data, evaluate, metrics
 from drafter.config import TrainConfig
 from drafter.model import Drafter, ModelConfig
-from drafter.train import (anchor_rows, block_loss, evaluate_checkpoint, load_checkpoint, load_data,
-                           save_checkpoint, train)
+from drafter.train import block_loss, evaluate_checkpoint, prepare, train
 from shards.reader import iter_rows
+from shards.stream import ShardStream
 
 
 def test_acceptance_length_stops_at_first_miss_and_at_invalid_positions():
@@ -81,13 +86,24 @@ def test_anchors_and_block_labels_follow_dflash():
     assert b.labels[1, 0].tolist() == [121, 122, 0] and not b.valid[1, 1].any()
 
 
-def test_anchor_rows_subsample_evenly_and_split():
-    seqs = [_seq("a", list(range(10)), [0] + [1] * 9), _seq("b", list(range(6)), [0] + [1] * 5)]
-    rows = anchor_rows(seqs, 3)
-    assert [(i, r.tolist()) for i, r in rows] == [(0, [1, 2, 3]), (0, [4, 5, 6]), (0, [7, 8]), (1, [1, 2, 3]),
-                                                 (1, [4])]
-    picked = anchor_rows(seqs, 8, limit=4)  # global anchors 0, 3, 6, 9 of 12 (8 in a, 4 in b)
-    assert [(i, r.tolist()) for i, r in picked] == [(0, [1, 4, 7]), (1, [2])]
+def test_heldout_anchors_subsample_evenly_and_split():
+    assert [r.tolist() for r in evaluate.select_anchors([8, 4])] == [list(range(8)), list(range(4))]
+    # global anchors 0, 3, 6, 9 of 12 (8 in the first conversation, 4 in the second)
+    assert [r.tolist() for r in evaluate.select_anchors([8, 4], limit=4)] == [[0, 3, 6], [1]]
+    assert [r.tolist() for r in evaluate.select_anchors([8, 0, 4], limit=4)] == [[0, 3, 6], [], [1]]
+    anchors = blocks.valid_anchors(torch.tensor([0] + [1] * 9, dtype=torch.bool))  # 1 … 8
+    assert [r.tolist() for r in blocks.rows_of(anchors, 3)] == [[1, 2, 3], [4, 5, 6], [7, 8]]
+
+
+def test_anchors_are_drawn_per_conversation_and_epoch():
+    mask = torch.tensor([0] * 3 + [1] * 40, dtype=torch.bool)
+    a = data.pick_anchors(mask, 8, 0, 0, "x:1")
+    assert len(a) == 8 and a.tolist() == sorted(set(a.tolist())) and all(3 <= i < 42 for i in a.tolist())
+    assert torch.equal(a, data.pick_anchors(mask, 8, 0, 0, "x:1"))  # any process, any rank, a resume
+    assert not torch.equal(a, data.pick_anchors(mask, 8, 0, 1, "x:1"))  # another epoch
+    assert not torch.equal(a, data.pick_anchors(mask, 8, 0, 0, "x:2"))  # another conversation
+    assert not torch.equal(a, data.pick_anchors(mask, 8, 1, 0, "x:1"))  # another seed
+    assert data.pick_anchors(mask, 64, 0, 0, "x:1").tolist() == list(range(3, 42))  # fewer than k: all
 
 
 def _tiny_model(window=2048, B=4, lookup=0):
@@ -183,8 +199,8 @@ def test_prompt_keys_and_disjoint_sets():
     other = _seq("sharegpt:2", [1, 3, 4, 5], [0, 0, 1, 1])
     assert a["prompt_key"] == regen["prompt_key"] == dup["prompt_key"] != other["prompt_key"]
     assert a["prompt_key"] == hashlib.sha256(np.array([1, 2], dtype="<i4").tobytes()).hexdigest()[:16]
-    kept, removed = data.disjoint([a, dup, other], [regen])
-    assert [s["sample_id"] for s in kept] == ["sharegpt:2"] and removed == 2
+    held = data.fingerprint([regen])
+    assert [s["sample_id"] for s in (a, dup, other) if not data.seen(s, held)] == ["sharegpt:2"]
     prints = data.fingerprint([other])
     assert data.seen(other, prints) and not data.seen(a, prints)
     assert data.seen(_seq("elsewhere:5", [1, 3, 7], [0, 0, 1]), prints)  # same prompt tokens, other id
@@ -251,43 +267,73 @@ def test_adapter_matches_the_reader(small_run):
 
 def _cfg(run, out, **kw):
     base = dict(run=str(run), out=str(out), steps=40, anchors_per_step=64, anchors_per_seq=16, lr=2e-3,
-                warmup_steps=5, heldout_fraction=0.25, eval_anchors=512, d_model=64, progress=False)
+                warmup_steps=5, heldout_fraction=0.25, eval_anchors=512, d_model=64, progress=False, workers=0)
     return TrainConfig(**{**base, **kw})
 
 
+def _jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _epochs(out):
+    """epoch → [(rank, sample_id)] in the order samples.jsonl says they were trained, and the last epoch
+    every rank finished (an epoch is complete once every rank trained on the next one)."""
+    by_epoch, last = {}, {}
+    for entry in _jsonl(out / "samples.jsonl"):
+        for rank, epoch, sid in entry["samples"]:
+            by_epoch.setdefault(epoch, []).append((rank, sid))
+            last[rank] = max(last.get(rank, 0), epoch)
+    return by_epoch, min(last.values()) - 1
+
+
 def test_training_lowers_loss_and_checkpoint_round_trips(small_run, tmp_path):
-    d = load_data(str(small_run), 0.25)
     cfg = _cfg(small_run, tmp_path / "a")
-    result = train(cfg, d)
+    result = train(cfg)
     before, after = result["fixed_loss"]
     assert after < before - 0.5, result["fixed_loss"]
     assert result["drafter"]["blocks"] == result["bigram"]["blocks"] == result["lookup"]["blocks"] \
         == result["untrained"]["blocks"] > 100
     assert len(result["drafter"]["position_acc"]) == cfg.block_size - 1
+    rows = list(iter_rows(small_run))
     assert result["data"]["train"]["conversations"] + result["data"]["heldout"]["conversations"] \
-        + result["data"]["overlap_removed"] == len(list(iter_rows(small_run)))
-    lines = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+        + result["data"]["overlap_removed"] == len(rows)
+    lines = _jsonl(tmp_path / "a" / "metrics.jsonl")
     assert [e["model"] for e in lines if e["kind"] == "eval"] == ["untrained", "bigram", "lookup", "drafter"]
     assert [e["step"] for e in lines if e["kind"] == "train"] == [10, 20, 30, 40]
+    assert (tmp_path / "a" / "checkpoints" / "latest").read_text().strip() == "step-00000040"
+
+    # Streamed epochs: each complete epoch trains every train conversation exactly once, in its own order.
+    s = prepare(cfg)
+    held = {r["sample_id"] for r in rows if data.heldout(r["sample_id"], 0.25)}
+    trainable = {r["sample_id"] for r in rows} - held
+    by_epoch, complete = _epochs(tmp_path / "a")
+    assert complete >= 2 and len(_jsonl(tmp_path / "a" / "samples.jsonl")) == 40
+    for e in range(complete + 1):
+        ids = [sid for _, sid in by_epoch[e]]
+        assert len(ids) == len(set(ids)) == s.train.conversations and set(ids) <= trainable
+    assert [sid for _, sid in by_epoch[0]] != [sid for _, sid in by_epoch[1]]  # reshuffled each epoch
 
     # Reloaded: bit-exact tensors, saved again bit-exact, the same held-out metrics.
-    model, meta = load_checkpoint(tmp_path / "a")
+    model, meta = checkpoint.load(tmp_path / "a")
     saved = load_file(str(tmp_path / "a" / "model.safetensors"))
     assert set(saved) == set(model.state_dict()) and "vocab" in saved and "embed" not in saved
     for k, v in model.state_dict().items():
         assert torch.equal(v, saved[k]), k
-    save_checkpoint(model, cfg, d, tmp_path / "b")
+    checkpoint.save(model, {k: v for k, v in meta.items() if k != "model"}, s.train.prints, tmp_path / "b")
     assert (tmp_path / "b" / "model.safetensors").read_bytes() == (tmp_path / "a" / "model.safetensors").read_bytes()
     again = evaluate_checkpoint(tmp_path / "a", str(small_run))
-    assert again["skipped_trained_on"] == 0 and again["conversations"] == len(d.heldout)
+    assert again["skipped_trained_on"] == 0 and again["conversations"] == result["data"]["heldout"]["conversations"]
     assert {k: again[k] for k in result["drafter"]} == result["drafter"]
     assert meta["taps"] == ["tap_3", "tap_15", "tap_27"] and meta["train"]["seed"] == 0
     # scoring on rows it was trained on is refused: each one is skipped
     everything = evaluate_checkpoint(tmp_path / "a", str(small_run), split="all")
-    assert everything["skipped_trained_on"] == len(d.train) and everything["conversations"] == len(d.heldout)
+    assert everything["skipped_trained_on"] == s.train.conversations + s.train.removed
+    assert everything["conversations"] == result["data"]["heldout"]["conversations"]
 
-    # The same seed gives the same untrained drafter and the same run.
-    same = train(dataclasses.replace(cfg, out=str(tmp_path / "c")), d)
+    # The same seed, read by 2 DataLoader workers: the same rows in the same steps, the same drafter bit for bit.
+    same = train(dataclasses.replace(cfg, out=str(tmp_path / "c"), workers=2))
+    assert (tmp_path / "c" / "samples.jsonl").read_bytes() == (tmp_path / "a" / "samples.jsonl").read_bytes()
+    assert (tmp_path / "c" / "model.safetensors").read_bytes() == (tmp_path / "a" / "model.safetensors").read_bytes()
     assert same["drafter"] == result["drafter"] and same["untrained"] == result["untrained"]
 
 
@@ -299,15 +345,18 @@ def held_run(tmp_path_factory, smol_dir):
 
 
 def test_heldout_run_drops_shared_prompts_from_training(small_run, held_run, tmp_path):
-    held = held_run
-    d = load_data(str(small_run), 0.25, heldout_run=str(held))
-    ours = {s["sample_id"] for s in d.heldout}
-    assert len(d.heldout) == len(list(iter_rows(held))) and d.overlap >= len(ours)
-    assert not ours & {s["sample_id"] for s in d.train}
-    assert not {s["prompt_key"] for s in d.heldout} & {s["prompt_key"] for s in d.train}
-    result = train(_cfg(small_run, tmp_path / "d", heldout_run=str(held), steps=5), d)
-    assert result["data"]["heldout"]["conversations"] == len(d.heldout)
-    score = evaluate_checkpoint(tmp_path / "d", str(held), split="all")
+    cfg = _cfg(small_run, tmp_path / "d", heldout_run=str(held_run), steps=5)
+    s = prepare(cfg)
+    held_rows = list(iter_rows(held_run))
+    assert s.held.conversations == len(held_rows) and s.train.removed >= len(held_rows)
+    assert s.train.conversations + s.train.removed == len(list(iter_rows(small_run)))
+    assert not set(s.held.prints["sample_ids"].tolist()) & set(s.train.prints["sample_ids"].tolist())
+    assert not set(s.held.prints["prompt_keys"].tolist()) & set(s.train.prints["prompt_keys"].tolist())
+    result = train(cfg)
+    assert result["data"]["heldout"]["conversations"] == len(held_rows)
+    trained = {sid for entry in _jsonl(tmp_path / "d" / "samples.jsonl") for _, _, sid in entry["samples"]}
+    assert not trained & {r["sample_id"] for r in held_rows}
+    score = evaluate_checkpoint(tmp_path / "d", str(held_run), split="all")
     assert score["skipped_trained_on"] == 0 and score["accept_len"] == result["drafter"]["accept_len"]
 
 
@@ -329,18 +378,18 @@ def test_loss_weights_and_kl_term_on_a_hand_built_batch():
 
 
 def test_kl_option_lowers_its_loss_and_round_trips(small_run, tmp_path):
-    d = load_data(str(small_run), 0.25, topk=True)
-    assert d.train[0]["topk_ids"].shape == (len(d.train[0]["input_ids"]), 8)
-    assert torch.equal(d.train[0]["topk_ids"][:, 0], d.train[0]["argmax"])  # the stored top-1 is the argmax
+    first = data.prepare(next(iter(ShardStream(small_run, split="train", heldout_fraction=0.25))))
+    assert first["topk_ids"].shape == (len(first["input_ids"]), 8)
+    assert torch.equal(first["topk_ids"][:, 0], first["argmax"])  # the stored top-1 is the argmax
     cfg = _cfg(small_run, tmp_path / "kl", kl_weight=1.0)
-    result = train(cfg, d)
+    result = train(cfg)
     before, after = result["fixed_loss"]
     assert after < before - 0.5, result["fixed_loss"]
     again = evaluate_checkpoint(tmp_path / "kl", str(small_run))
     assert {k: again[k] for k in result["drafter"]} == result["drafter"]
     assert json.loads((tmp_path / "kl" / "config.json").read_text())["train"]["kl_weight"] == 1.0
     # the KL term changes the training: another drafter than the cross-entropy one of the same seed
-    ce = train(dataclasses.replace(cfg, out=str(tmp_path / "ce"), kl_weight=0.0), d)
+    ce = train(dataclasses.replace(cfg, out=str(tmp_path / "ce"), kl_weight=0.0))
     assert ce["fixed_loss"][0] < before  # the same fixed anchors, without the KL term
 
 
@@ -373,6 +422,85 @@ def test_cli_train_eval_and_user_errors(small_run, held_run, tmp_path):
     assert bad.exit_code == 2 and "stores no top-K logits" in bad.stderr
     bad = capture_inproc("drafter", "train", "--run", str(small_run), "--out", str(tmp_path / "e"), "--block-size", "1")
     assert bad.exit_code == 2 and "block_size must be at least 2" in bad.stderr
+
+
+def _train_args(run, out, *extra):
+    return ["drafter", "train", "--run", str(run), "--out", str(out), "--steps", "60", "--anchors-per-step", "32",
+            "--anchors-per-seq", "16", "--heldout-fraction", "0.25", "--eval-anchors", "256", "--d-model", "64",
+            "--warmup-steps", "5", "--checkpoint-every", "4", "--no-progress", *extra]
+
+
+def test_a_killed_trainer_resumes_with_every_row_once_and_the_same_drafter(small_run, tmp_path):
+    """SIGKILL a real trainer process after a checkpoint, mid-epoch; the same command finishes the run:
+    the rows of each step, the log and the drafter are those of a run never stopped (2 DataLoader workers)."""
+    ref = capture_cli(*_train_args(small_run, tmp_path / "ref", "--workers", "2"))
+    assert ref.returncode == 0, ref.stderr
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "cli", *_train_args(small_run, out, "--workers", "2")], cwd=REPO,
+                            env={**os.environ, "TQDM_DISABLE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    latest = out / "checkpoints" / "latest"
+    deadline = time.monotonic() + 300
+    while not latest.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    killed_at = json.loads((out / "checkpoints" / latest.read_text().strip() / "state.json").read_text())
+    assert 4 <= killed_at["step"] < 60 and not (out / "model.safetensors").exists()
+    by_epoch, _ = _epochs(tmp_path / "ref")
+    assert killed_at["streams"][0]["position"] not in (0, len(by_epoch[0]))  # mid-epoch
+    again = capture_cli(*_train_args(small_run, out, "--workers", "2"))
+    assert again.returncode == 0, again.stderr
+    assert (out / "samples.jsonl").read_bytes() == (tmp_path / "ref" / "samples.jsonl").read_bytes()
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "ref" / "model.safetensors").read_bytes()
+    strip = lambda path: [{k: v for k, v in e.items() if k not in ("seconds", "waited_s", "train_seconds")}  # noqa: E731
+                          for e in _jsonl(path / "metrics.jsonl")]
+    assert strip(out) == strip(tmp_path / "ref")
+    # the finished drafter is not trained again; another world size or other settings are refused in one line
+    done = capture_cli(*_train_args(small_run, out))
+    assert done.returncode == 2 and "already holds a trained drafter" in done.stderr
+    partial = tmp_path / "partial"
+    (partial / "checkpoints").mkdir(parents=True)
+    os.symlink(out / "checkpoints" / latest.read_text().strip(), partial / "checkpoints" / "step-00000060")
+    (partial / "checkpoints" / "latest").write_text("step-00000060\n")
+    other = capture_cli(*_train_args(small_run, partial, "--lr", "0.01"))
+    assert other.returncode == 2 and "trained with other settings (lr)" in other.stderr.splitlines()[-1]
+
+
+def _torchrun(*args, env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "cli", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def test_two_ranks_read_disjoint_rows_whose_union_is_one_ranks_epoch(small_run, tmp_path):
+    """torchrun, 2 real processes (gloo): each rank trains on its own rows of each epoch, their union is the
+    epoch of a 1-rank run, every step has rows of both ranks, and one checkpoint and one drafter are written."""
+    one = capture_cli(*_train_args(small_run, tmp_path / "one", "--steps", "24", "--workers", "0"))
+    assert one.returncode == 0, one.stderr
+    conf = tmp_path / "two.yaml"  # torchrun's own parser would take --run for its --run-path
+    conf.write_text(yaml.safe_dump({"run": str(small_run)}))
+    args = _train_args(small_run, tmp_path / "two", "--steps", "24", "--workers", "1")
+    two = _torchrun("drafter", "train", "--config", str(conf), *args[4:])
+    assert two.returncode == 0, two.stderr[-3000:]
+    single, complete_one = _epochs(tmp_path / "one")
+    ranks, complete_two = _epochs(tmp_path / "two")
+    assert complete_two >= 1
+    for e in range(complete_two + 1):
+        mine = {r: [sid for rank, sid in ranks[e] if rank == r] for r in (0, 1)}
+        assert mine[0] and mine[1] and not set(mine[0]) & set(mine[1])
+        assert sorted(mine[0] + mine[1]) == sorted(sid for _, sid in single[0])
+    steps = _jsonl(tmp_path / "two" / "samples.jsonl")
+    assert [e["step"] for e in steps] == list(range(1, 25))
+    assert all(sorted({r for r, _, _ in e["samples"]}) == [0, 1] for e in steps)  # both ranks in every step
+    state = json.loads((tmp_path / "two" / "checkpoints" / "step-00000024" / "state.json").read_text())
+    assert [s["rank"] for s in state["streams"]] == [0, 1] and state["world_size"] == 2
+    assert (tmp_path / "two" / "model.safetensors").exists()
+    # resuming with another world size is one line
+    (tmp_path / "two" / "model.safetensors").rename(tmp_path / "two" / "kept.safetensors")
+    alone = capture_cli(*_train_args(small_run, tmp_path / "two", "--steps", "24"))
+    assert alone.returncode == 2 and "saved by 2 rank(s), this trainer has 1" in alone.stderr
 
 
 @pytest.mark.ray

@@ -1,0 +1,219 @@
+"""Train while the capture runs: ``capture drafter train --online CAPTURE.yaml``.
+
+The capture (:func:`capture.online.start`, on a thread of this process) hands each finished unit to this
+trainer's queue; :class:`shards.online.OnlineStream` decodes its rows; the trainer takes them one
+conversation at a time, in arrival order, and steps as soon as a batch is full — the first optimizer step
+comes while the capture is still running, and memory is bounded as in the offline trainer
+(:mod:`drafter.train`) plus the held-out set below. One pass: each row arrives once.
+
+**Before the first step** the trainer needs a head vocabulary, and nothing has been captured yet: it is
+read from the labels of the first :data:`VOCAB_WARMUP` train conversations (held in memory until then,
+then trained on first). A held-out label outside it is a miss, as offline.
+
+**Held out**: rows in the held-out split (:func:`drafter.data.heldout`) are kept aside as they arrive,
+until ``eval_anchors`` anchors are held (later ones are counted and dropped); a train row sharing a
+sample_id or prompt with a kept held-out row is skipped, and a held-out row sharing one with a row
+already trained on is dropped. The untrained drafter, the bigram baseline (fitted on the rows trained on)
+and prompt lookup are scored with the drafter at the end.
+
+**Exactly once**: after each checkpoint the trainer acks the rows the checkpoint covers
+(:meth:`OnlineStream.ack`); a trainer started again with the same ``--out`` loads the latest checkpoint
+and a new capture of the same folder delivers every row not acked (held-out rows included, which are
+never acked) and none that is.
+
+**Waits**: the summary reports ``trainer_waited_s`` (the trainer blocked on the queue: the capture is
+the bottleneck) and ``capture_waited_s`` (the capture blocked on a full queue: the trainer is).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from common.errors import CaptureError
+from drafter import blocks, checkpoint, data, evaluate, metrics
+from drafter.config import TrainConfig
+from drafter.model import load_target_head
+from drafter import train as offline  # the shared loss, step, logs and model
+
+log = logging.getLogger(__name__)
+VOCAB_WARMUP = 64  # train conversations whose labels make the head vocabulary of an online run
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Capture ``cfg.online`` and train on its rows as they arrive (module docstring); writes what
+    :func:`drafter.train.train` writes. Returns its result plus ``trainer_waited_s``, ``capture_waited_s``,
+    ``first_step_s`` (seconds from the start to the first optimizer step) and ``capture_s`` (to the
+    capture's end). Raises CaptureError as the capture does, for a run that cannot train a drafter, or when
+    every row was acked by an earlier trainer."""
+    from capture import online
+    from capture.config import from_mapping, load_yaml
+
+    out = offline._check_out(cfg)
+    capture_cfg = from_mapping({**load_yaml(str(cfg.online)), "progress": False})
+    begin = time.perf_counter()
+    run = online.start(capture_cfg)
+    try:
+        stream = run.stream(0, final=False, topk=cfg.kl_weight > 0)
+        result = _train(cfg, out, stream, begin)
+        summary = run.join()
+    finally:
+        run.close()
+    result.update(trainer_waited_s=round(stream.wait_seconds, 2), capture_waited_s=round(run.trainer_wait_s, 2),
+                  capture_s=round(run.ended_at - begin, 2) if run.ended_at else None, capture=summary)
+    return result
+
+
+def _train(cfg: TrainConfig, out: Path, stream, begin: float) -> dict:
+    header = data.check_header(stream.header, cfg.run)
+    if cfg.kl_weight and not header.topk:
+        raise CaptureError(f"{cfg.online} captures no top-K logits (add topk: K) but kl_weight > 0")
+    tdir = Path(cfg.target_dir) if cfg.target_dir else offline.default_target_dir(cfg.run)
+    embed, lm_head = load_target_head(tdir)
+    V, B = embed.shape[0], cfg.block_size
+    per_step = max(1, cfg.anchors_per_step // cfg.anchors_per_seq)
+    resume = checkpoint.latest(out)
+    saved = checkpoint.load_extra(resume) if resume is not None else {}
+    held, held_ids, held_keys = [], set(), set()
+    trained_ids, trained_keys = set(saved.get("trained_ids", ())), set(saved.get("trained_keys", ()))
+    bigram = metrics.BigramCounts.from_state(saved["bigram"]) if saved else metrics.BigramCounts(V)
+    count = {"held_anchors": 0, "dropped": 0}
+
+    def arrivals():
+        """Train conversations with their anchors; held-out ones go to ``held``."""
+        for sample in stream:
+            conv = data.prepare(sample)
+            sid, key = conv["sample_id"], conv["prompt_key"]
+            if data.heldout(sid, cfg.heldout_fraction):
+                full = cfg.eval_anchors and count["held_anchors"] >= cfg.eval_anchors
+                if full or sid in trained_ids or key in trained_keys:
+                    count["dropped"] += 1
+                else:
+                    held.append(conv)
+                    held_ids.add(sid)
+                    held_keys.add(key)
+                    count["held_anchors"] += len(blocks.valid_anchors(conv["loss_mask"]))
+                continue
+            if sid in held_ids or key in held_keys:
+                count["dropped"] += 1
+                continue
+            conv["anchors"] = data.pick_anchors(conv["loss_mask"], cfg.anchors_per_seq, cfg.seed, 0, sid)
+            if len(conv["anchors"]):
+                yield conv
+
+    items = arrivals()
+    warm = list(itertools.islice(items, max(VOCAB_WARMUP, per_step)))
+    if not warm:
+        raise CaptureError(f"{cfg.online}: the capture delivered no train conversation (rows acked by an earlier "
+                           "trainer are not delivered again: give the capture config another out)")
+    if resume is not None:  # the head's vocabulary is the checkpoint's
+        counts = np.zeros(V, dtype=np.int64)
+        counts[saved["vocab"].numpy()] = 1
+    else:
+        counts = data.scan_rows(((c["sample_id"], c["input_ids"], c["loss_mask"], c["argmax"]) for c in warm),
+                                B, V, cfg.labels).label_counts
+    model = offline.build_model(cfg, header, embed, lm_head, counts)
+    untrained = copy.deepcopy(model.state_dict())
+    opt = offline.optimizer(cfg, model)
+    fixed = [blocks.make_batch(part, [c["anchors"] for c in part], B, cfg.labels, cfg.kl_weight > 0, cfg.lookup)
+             for part in (warm[i:i + per_step] for i in range(0, len(warm), per_step))]
+
+    def fixed_loss() -> float:
+        with torch.no_grad():
+            return sum(float(offline.block_loss(model, b, cfg.loss_decay, cfg.kl_weight, cfg.precision))
+                       for b in fixed) / len(fixed)
+
+    step = 0
+    if resume is not None:
+        state, _ = checkpoint.load_state(resume, model, opt)
+        offline._resumable(state, cfg, 1, resume)
+        step = state["step"]
+    logs = offline._Logs(out, 0, state["logs"] if resume is not None else None)
+    if resume is None:
+        logs.write(offline.METRICS, {"kind": "fixed_loss", "step": 0, "loss": fixed_loss()})
+
+    def save(step: int, unacked: list[str]) -> None:
+        extra = {"trained_ids": sorted(trained_ids), "trained_keys": sorted(trained_keys), "bigram": bigram.state(),
+                 "vocab": model.vocab.clone()}
+        checkpoint.save_state(out, step, model, opt, [torch.get_rng_state()],
+                              {"streams": [], "world_size": 1, "logs": logs.lengths(), "config": dataclasses.asdict(cfg)},
+                              extra)
+        stream.ack(unacked)  # after the checkpoint that covers them: a restarted capture skips them
+
+    pending, unacked, first_step = [], [], None
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"train seed {cfg.seed} (online)", unit="step",
+               disable=not cfg.progress)
+    start = time.perf_counter()
+    for conv in itertools.chain(warm, items):
+        if step >= cfg.steps:
+            break
+        pending.append(conv)
+        if len(pending) < per_step:
+            continue
+        loss = offline.train_step(model, opt, pending, cfg, step)
+        if first_step is None:
+            first_step = round(time.perf_counter() - begin, 2)
+            log.info("online: first optimizer step %.1f s after the start (the capture is still running: %s)",
+                     first_step, stream.summary is None)
+        for c in pending:
+            trained_ids.add(c["sample_id"])
+            trained_keys.add(c["prompt_key"])
+            a = blocks.valid_anchors(c["loss_mask"])
+            bigram.add(c["input_ids"][a], c["argmax"][a])
+        logs.write(offline.SAMPLES, {"step": step + 1, "samples": [[0, 0, c["sample_id"]] for c in pending]})
+        unacked += [c["sample_id"] for c in pending]
+        pending, step = [], step + 1
+        bar.update(1)
+        if step % cfg.log_every == 0:
+            logs.write(offline.METRICS, {"kind": "train", "step": step, "loss": loss,
+                                         "seconds": round(time.perf_counter() - start, 2),
+                                         "waited_s": round(stream.wait_seconds, 2)})
+        if step % cfg.checkpoint_every == 0:
+            save(step, unacked)
+            unacked = []
+    for _ in items:  # the steps are done: what still arrives is not trained on (nor acked: a later run gets it)
+        pass
+    bar.close()
+    if not step:
+        raise CaptureError(f"{cfg.online}: fewer than {per_step} train conversations arrived: no step was made")
+    if unacked or not (out / checkpoint.STATES).is_dir():
+        save(step, unacked)
+    seconds = round(time.perf_counter() - start, 2)
+    if not held:
+        raise CaptureError(f"{cfg.online}: no held-out conversation arrived (heldout_fraction {cfg.heldout_fraction})")
+    held_scan = data.scan_rows(((c["sample_id"], c["input_ids"], c["loss_mask"], c["argmax"]) for c in held), B, V)
+
+    def rows():
+        picks = evaluate.select_anchors(held_scan.anchors_each, cfg.eval_anchors)
+        for conv, pick in zip(held, picks):
+            for row in blocks.rows_of(blocks.valid_anchors(conv["loss_mask"])[pick], cfg.anchors_per_seq):
+                yield conv, row
+
+    model.eval()
+    logs.write(offline.METRICS, {"kind": "fixed_loss", "step": step, "loss": fixed_loss()})
+    logs.write(offline.METRICS, {"kind": "data", "train": {"conversations": len(trained_ids)},
+                                 "heldout": held_scan.summary(), "overlap_removed": count["dropped"]})
+    trained = {"sample_ids": np.unique(np.array([data.id_hash(i) for i in trained_ids], dtype=np.uint64)),
+               "prompt_keys": np.unique(np.array([int(k, 16) for k in trained_keys], dtype=np.uint64))}
+    meta = {"train": dataclasses.asdict(cfg), "taps": data.tap_columns(header), "target": header.target,
+            "tokenizer_sha256": header.tokenizer_sha256, "target_dir": str(tdir),
+            "embed_sha256": checkpoint.tensor_sha256(embed), "lm_head_sha256": checkpoint.tensor_sha256(lm_head)}
+    checkpoint.save(model, meta, trained, out)
+    scores = evaluate.score(rows(), B, model, bigram.table(), cfg.lookup or 2, cfg.eval_rows, cfg.precision)
+    trained_state = copy.deepcopy(model.state_dict())
+    model.load_state_dict(untrained)
+    base = evaluate.score(rows(), B, model, rows_per_batch=cfg.eval_rows, precision=cfg.precision)["drafter"]
+    model.load_state_dict(trained_state)
+    for name, entry in (("untrained", base), ("bigram", scores["bigram"]), ("lookup", scores["lookup"]),
+                        ("drafter", {"train_seconds": seconds, **scores["drafter"]})):
+        logs.write(offline.METRICS, {"kind": "eval", "model": name, "split": "heldout", **entry})
+    logs.close()
+    return {**offline.result_of(out / offline.METRICS), "seconds": seconds, "first_step_s": first_step}
