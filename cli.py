@@ -509,19 +509,23 @@ def _drafter_values(config_file, flags: dict) -> dict:
 @click.option("--shuffle-buffer", type=int, help="Rows of the stream's shuffle buffer (default 1024).")
 @click.option("--checkpoint-every", type=int, help="Steps between training checkpoints (default 100); a trainer "
               "started again with the same --out resumes from the latest.")
+@click.option("--vocab-warmup", type=int, help="--online: train conversations whose labels make the head "
+              "vocabulary (default 64; the first step waits for them).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def drafter_train(config_file, no_progress, as_json, **flags) -> None:
     """Train a drafter, streamed from the run's shards; score it, the untrained drafter, the bigram and
     prompt-lookup baselines on the held-out split. Under `torchrun --nproc-per-node N -m cli drafter train ...`
     each rank reads its own rows and gradients are averaged. Rerun with the same --out to resume."""
+    from drafter import online
     from drafter.config import from_mapping
     from drafter.train import train
 
     values = _drafter_values(config_file, flags)
     if no_progress:
         values["progress"] = False
-    result = train(from_mapping(values))
+    cfg = from_mapping(values)
+    result = online.train(cfg) if cfg.online else train(cfg)
     _emit(result, as_json, _print_drafter_scores)
 
 

@@ -66,6 +66,7 @@ class TrainConfig:
     workers: int = 1  # DataLoader processes decoding conversations (0: in the training process)
     shuffle_buffer: int = 1024  # rows of the stream's shuffle buffer (shard/row numbers, not states)
     checkpoint_every: int = 100  # steps between training checkpoints (and one at the end)
+    vocab_warmup: int = 64  # online: train conversations whose labels make the head vocabulary (drafter.online)
     progress: bool = True
 
 
@@ -112,7 +113,7 @@ def _check_type(key: str, value, hint):
 def validate(cfg: TrainConfig) -> None:
     """Raise CaptureError for values no drafter can train with."""
     positive = ("window", "d_model", "n_layers", "n_heads", "steps", "anchors_per_step", "anchors_per_seq",
-                "eval_rows", "log_every", "shuffle_buffer", "checkpoint_every")
+                "eval_rows", "log_every", "shuffle_buffer", "checkpoint_every", "vocab_warmup")
     bad = [k for k in positive if getattr(cfg, k) < 1]
     if bad:
         raise CaptureError(f"must be at least 1: {', '.join(bad)}")

@@ -7,7 +7,7 @@ comes while the capture is still running, and memory is bounded as in the offlin
 (:mod:`drafter.train`) plus the held-out set below. One pass: each row arrives once.
 
 **Before the first step** the trainer needs a head vocabulary, and nothing has been captured yet: it is
-read from the labels of the first :data:`VOCAB_WARMUP` train conversations (held in memory until then,
+read from the labels of the first ``vocab_warmup`` train conversations (held in memory until then,
 then trained on first). A held-out label outside it is a miss, as offline.
 
 **Held out**: rows in the held-out split (:func:`drafter.data.heldout`) are kept aside as they arrive,
@@ -42,10 +42,10 @@ from common.errors import CaptureError
 from drafter import blocks, checkpoint, data, evaluate, metrics
 from drafter.config import TrainConfig
 from drafter.model import load_target_head
-from drafter import train as offline  # the shared loss, step, logs and model
+from drafter.train import (METRICS, SAMPLES, Logs, block_loss, build_model, check_out, default_target_dir, optimizer,
+                           result_of, resumable, train_step)
 
 log = logging.getLogger(__name__)
-VOCAB_WARMUP = 64  # train conversations whose labels make the head vocabulary of an online run
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -57,7 +57,7 @@ def train(cfg: TrainConfig) -> dict:
     from capture import online
     from capture.config import from_mapping, load_yaml
 
-    out = offline._check_out(cfg)
+    out = check_out(cfg)
     capture_cfg = from_mapping({**load_yaml(str(cfg.online)), "progress": False})
     begin = time.perf_counter()
     run = online.start(capture_cfg)
@@ -76,7 +76,7 @@ def _train(cfg: TrainConfig, out: Path, stream, begin: float) -> dict:
     header = data.check_header(stream.header, cfg.run)
     if cfg.kl_weight and not header.topk:
         raise CaptureError(f"{cfg.online} captures no top-K logits (add topk: K) but kl_weight > 0")
-    tdir = Path(cfg.target_dir) if cfg.target_dir else offline.default_target_dir(cfg.run)
+    tdir = Path(cfg.target_dir) if cfg.target_dir else default_target_dir(cfg.run)
     embed, lm_head = load_target_head(tdir)
     V, B = embed.shape[0], cfg.block_size
     per_step = max(1, cfg.anchors_per_step // cfg.anchors_per_seq)
@@ -110,7 +110,7 @@ def _train(cfg: TrainConfig, out: Path, stream, begin: float) -> dict:
                 yield conv
 
     items = arrivals()
-    warm = list(itertools.islice(items, max(VOCAB_WARMUP, per_step)))
+    warm = list(itertools.islice(items, max(cfg.vocab_warmup, per_step)))
     if not warm:
         raise CaptureError(f"{cfg.online}: the capture delivered no train conversation (rows acked by an earlier "
                            "trainer are not delivered again: give the capture config another out)")
@@ -120,25 +120,25 @@ def _train(cfg: TrainConfig, out: Path, stream, begin: float) -> dict:
     else:
         counts = data.scan_rows(((c["sample_id"], c["input_ids"], c["loss_mask"], c["argmax"]) for c in warm),
                                 B, V, cfg.labels).label_counts
-    model = offline.build_model(cfg, header, embed, lm_head, counts)
+    model = build_model(cfg, header, embed, lm_head, counts)
     untrained = copy.deepcopy(model.state_dict())
-    opt = offline.optimizer(cfg, model)
+    opt = optimizer(cfg, model)
     fixed = [blocks.make_batch(part, [c["anchors"] for c in part], B, cfg.labels, cfg.kl_weight > 0, cfg.lookup)
              for part in (warm[i:i + per_step] for i in range(0, len(warm), per_step))]
 
     def fixed_loss() -> float:
         with torch.no_grad():
-            return sum(float(offline.block_loss(model, b, cfg.loss_decay, cfg.kl_weight, cfg.precision))
+            return sum(float(block_loss(model, b, cfg.loss_decay, cfg.kl_weight, cfg.precision))
                        for b in fixed) / len(fixed)
 
     step = 0
     if resume is not None:
         state, _ = checkpoint.load_state(resume, model, opt)
-        offline._resumable(state, cfg, 1, resume)
+        resumable(state, cfg, 1, resume)
         step = state["step"]
-    logs = offline._Logs(out, 0, state["logs"] if resume is not None else None)
+    logs = Logs(out, 0, state["logs"] if resume is not None else None)
     if resume is None:
-        logs.write(offline.METRICS, {"kind": "fixed_loss", "step": 0, "loss": fixed_loss()})
+        logs.write(METRICS, {"kind": "fixed_loss", "step": 0, "loss": fixed_loss()})
 
     def save(step: int, unacked: list[str]) -> None:
         extra = {"trained_ids": sorted(trained_ids), "trained_keys": sorted(trained_keys), "bigram": bigram.state(),
@@ -158,7 +158,7 @@ def _train(cfg: TrainConfig, out: Path, stream, begin: float) -> dict:
         pending.append(conv)
         if len(pending) < per_step:
             continue
-        loss = offline.train_step(model, opt, pending, cfg, step)
+        loss = train_step(model, opt, pending, cfg, step)
         if first_step is None:
             first_step = round(time.perf_counter() - begin, 2)
             log.info("online: first optimizer step %.1f s after the start (the capture is still running: %s)",
@@ -168,12 +168,12 @@ def _train(cfg: TrainConfig, out: Path, stream, begin: float) -> dict:
             trained_keys.add(c["prompt_key"])
             a = blocks.valid_anchors(c["loss_mask"])
             bigram.add(c["input_ids"][a], c["argmax"][a])
-        logs.write(offline.SAMPLES, {"step": step + 1, "samples": [[0, 0, c["sample_id"]] for c in pending]})
+        logs.write(SAMPLES, {"step": step + 1, "samples": [[0, 0, c["sample_id"]] for c in pending]})
         unacked += [c["sample_id"] for c in pending]
         pending, step = [], step + 1
         bar.update(1)
         if step % cfg.log_every == 0:
-            logs.write(offline.METRICS, {"kind": "train", "step": step, "loss": loss,
+            logs.write(METRICS, {"kind": "train", "step": step, "loss": loss,
                                          "seconds": round(time.perf_counter() - start, 2),
                                          "waited_s": round(stream.wait_seconds, 2)})
         if step % cfg.checkpoint_every == 0:
@@ -198,8 +198,8 @@ def _train(cfg: TrainConfig, out: Path, stream, begin: float) -> dict:
                 yield conv, row
 
     model.eval()
-    logs.write(offline.METRICS, {"kind": "fixed_loss", "step": step, "loss": fixed_loss()})
-    logs.write(offline.METRICS, {"kind": "data", "train": {"conversations": len(trained_ids)},
+    logs.write(METRICS, {"kind": "fixed_loss", "step": step, "loss": fixed_loss()})
+    logs.write(METRICS, {"kind": "data", "train": {"conversations": len(trained_ids)},
                                  "heldout": held_scan.summary(), "overlap_removed": count["dropped"]})
     trained = {"sample_ids": np.unique(np.array([data.id_hash(i) for i in trained_ids], dtype=np.uint64)),
                "prompt_keys": np.unique(np.array([int(k, 16) for k in trained_keys], dtype=np.uint64))}
@@ -214,6 +214,6 @@ def _train(cfg: TrainConfig, out: Path, stream, begin: float) -> dict:
     model.load_state_dict(trained_state)
     for name, entry in (("untrained", base), ("bigram", scores["bigram"]), ("lookup", scores["lookup"]),
                         ("drafter", {"train_seconds": seconds, **scores["drafter"]})):
-        logs.write(offline.METRICS, {"kind": "eval", "model": name, "split": "heldout", **entry})
+        logs.write(METRICS, {"kind": "eval", "model": name, "split": "heldout", **entry})
     logs.close()
-    return {**offline.result_of(out / offline.METRICS), "seconds": seconds, "first_step_s": first_step}
+    return {**result_of(out / METRICS), "seconds": seconds, "first_step_s": first_step}

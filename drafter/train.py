@@ -247,7 +247,8 @@ def _fixed_batches(cfg: TrainConfig, s: Setup, per_step: int) -> list[blocks.Bat
                               cfg.lookup) for part in (convs[i:i + per_step] for i in range(0, len(convs), per_step))]
 
 
-def _check_out(cfg: TrainConfig) -> Path:
+def check_out(cfg: TrainConfig) -> Path:
+    """``cfg.out``, created. Raises CaptureError when it holds a trained drafter or a capture run."""
     out = Path(cfg.out)
     if (out / checkpoint.CHECKPOINT).exists():
         raise CaptureError(f"{out} already holds a trained drafter; train into another --out")
@@ -263,7 +264,7 @@ def _check_out(cfg: TrainConfig) -> Path:
 _RESUME_FREE = ("out", "progress", "workers", "checkpoint_every")  # settings a resume may change: same rows, same drafter
 
 
-def _resumable(saved: dict, cfg: TrainConfig, world: int, folder: Path) -> None:
+def resumable(saved: dict, cfg: TrainConfig, world: int, folder: Path) -> None:
     """Raise CaptureError unless a training checkpoint was made by this config and world size."""
     mine = dataclasses.asdict(cfg)
     diff = [k for k, v in saved["config"].items() if k not in _RESUME_FREE and mine.get(k) != v]
@@ -275,7 +276,7 @@ def _resumable(saved: dict, cfg: TrainConfig, world: int, folder: Path) -> None:
                            "with the same world size")
 
 
-class _Logs:
+class Logs:
     """``metrics.jsonl`` and ``samples.jsonl``, appended by rank 0 only; cut back to a checkpoint's lengths
     on resume, so that they hold each step once."""
 
@@ -308,10 +309,8 @@ def train(cfg: TrainConfig) -> dict:
     before/after and ``seconds`` (the training loop of this process). Raises CaptureError when ``out``
     already holds a drafter or a run, or holds a checkpoint of other settings or another world size."""
     if cfg.online:
-        from drafter import online
-
-        return online.train(cfg)
-    out = _check_out(cfg)
+        raise CaptureError("an online config trains with drafter.online.train (the CLI picks it for --online)")
+    out = check_out(cfg)
     rank, world = _world()
     s = prepare(cfg)
     model = build_model(cfg, s.header, s.embed, s.lm_head, s.train.label_counts)
@@ -335,11 +334,11 @@ def train(cfg: TrainConfig) -> dict:
     step, resume = 0, checkpoint.latest(out)
     if resume is not None:
         state, rngs = checkpoint.load_state(resume, model, opt)
-        _resumable(state, cfg, world, resume)
+        resumable(state, cfg, world, resume)
         stream.load_state_dict(state["streams"][rank])
         torch.set_rng_state(rngs[rank])
         step = state["step"]
-    logs = _Logs(out, rank, state["logs"] if resume is not None else None)
+    logs = Logs(out, rank, state["logs"] if resume is not None else None)
     if resume is None and rank == 0:
         logs.write(METRICS, {"kind": "data", **s.summary()})
         scores = evaluate.score(held_rows(), cfg.block_size, model, s.train.bigram.table(), cfg.lookup or 2,
@@ -406,7 +405,7 @@ def train(cfg: TrainConfig) -> dict:
     return {**result_of(out / METRICS), "seconds": seconds, "waited_s": round(waited, 2)}
 
 
-def _save(out: Path, step: int, model: Drafter, opt, stream_state: dict, logs: _Logs, cfg: TrainConfig,
+def _save(out: Path, step: int, model: Drafter, opt, stream_state: dict, logs: Logs, cfg: TrainConfig,
           rank: int, world: int) -> None:
     """Every rank's stream state and RNG to rank 0, which writes the checkpoint; an error there is raised
     on every rank (one line each)."""

@@ -101,6 +101,37 @@ def write_run(run_dir: Path, batches: list[list[Row]], target_bytes: int = BIG, 
     return infos
 
 
+def drafter_run(out: Path, n: int, tokens: int = 1024, hidden: int = 384, vocab: int = 4096, seed: int = 0,
+                shard_bytes: int = 16 << 20) -> tuple[Path, Path]:
+    """A run a drafter trains on, of ``n`` random conversations of ``tokens`` tokens (ids below ``vocab``,
+    half of them supervised, two taps of ``hidden`` bf16 channels, no final state), committed in shards of
+    about ``shard_bytes``, and a target folder whose tied ``embed_tokens`` (bf16 [vocab, hidden]) the
+    drafter loads. Returns (run folder, target folder). Row ``i`` is the same in every size (its own seed),
+    so a larger run extends a smaller one."""
+    from safetensors.torch import save_file
+
+    header = make_header(hidden_size=hidden, columns=["tap_1", "tap_3"], taps={"layers": [1, 3], "final": None,
+                                                                              "tap_convention": "t"})
+    rows = []
+    for i in range(n):
+        rng = np.random.default_rng([seed, i])
+        ids = rng.integers(0, vocab, tokens, dtype=np.int32)
+        mask = np.repeat(rng.random(tokens // 64 + 1) < 0.5, 64)[:tokens]  # supervised stretches of 64 tokens
+        mask[:64], mask[-2:] = False, True  # a prompt of its own (drafter.data.prompt_key), then answers
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
+        states = {c: torch.randn(tokens, hidden, generator=gen).bfloat16() for c in header.columns}
+        argmax = rng.integers(0, vocab, tokens, dtype=np.int32)
+        rows.append(Row(f"synthetic:{i}", "synthetic", i, ids, mask, argmax, states, token_sha256(ids)))
+    run = out / "run"
+    write_run(run, [rows[i:i + 8] for i in range(0, n, 8)], target_bytes=shard_bytes, header=header)
+    target = out / "target"
+    target.mkdir(parents=True, exist_ok=True)
+    embed = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    save_file({"model.embed_tokens.weight": embed}, str(target / "model.safetensors"))
+    (target / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    return run, target
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16)
 

@@ -17,8 +17,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+import helpers
 from conftest import REPO, capture_cli, capture_inproc, free_port
-from drafter import blocks, checkpoint, data, evaluate, metrics
+from drafter import blocks, checkpoint, data, evaluate, metrics, online
 from drafter.config import TrainConfig
 from drafter.model import Drafter, ModelConfig
 from drafter.train import block_loss, evaluate_checkpoint, prepare, train
@@ -503,27 +504,66 @@ def test_two_ranks_read_disjoint_rows_whose_union_is_one_ranks_epoch(small_run, 
     assert alone.returncode == 2 and "saved by 2 rank(s), this trainer has 1" in alone.stderr
 
 
+PEAK_RSS = """
+import resource, sys
+from cli import main
+try:
+    main(sys.argv[1:], standalone_mode=False)
+finally:
+    print("peak_rss_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+"""
+
+
+def peak_rss_mib(*args: str) -> float:
+    """Run the CLI in a fresh process (no DataLoader worker: every decode in it); its peak resident MiB."""
+    proc = subprocess.run([sys.executable, "-c", PEAK_RSS, *args], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "TQDM_DISABLE": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return int(proc.stderr.split("peak_rss_kib")[-1].split()[0]) / 1024
+
+
+def test_memory_does_not_grow_with_the_run(tmp_path):
+    """The same training on a run 4x larger (1.5 MiB of states a conversation: 48 vs 192 MiB of feats held,
+    had the trainer kept them) peaks within 1.2x the resident memory; bench/trainer_memory.out: 8x."""
+    peaks = {}
+    for n in (32, 128):
+        run, target = helpers.drafter_run(tmp_path / str(n), n)
+        peaks[n] = peak_rss_mib("drafter", "train", "--run", str(run), "--target-dir", str(target), "--out",
+                                str(tmp_path / f"d{n}"), "--steps", "12", "--anchors-per-step", "64",
+                                "--anchors-per-seq", "16", "--d-model", "32", "--eval-anchors", "256",
+                                "--heldout-fraction", "0.2", "--workers", "0", "--no-progress")
+        result = _jsonl(tmp_path / f"d{n}" / "metrics.jsonl")
+        assert result[0]["train"]["conversations"] + result[0]["heldout"]["conversations"] == n
+    assert peaks[128] < 1.2 * peaks[32], peaks
+
+
 @pytest.mark.ray
-def test_online_training_sees_the_rows_of_the_shards_bit_for_bit(small_run, tmp_path, ray_cluster):
+def test_online_training_steps_while_the_capture_runs(small_run, tmp_path, ray_cluster):
     """`drafter train --online`: the same capture settings as small_run, streamed from Ray replicas with no
-    shards: the same conversations with bit-identical features, and (in one order) the same trained drafter.
-    The replicas run on the session's Ray cluster."""
+    shards, trained on as units arrive: the first step comes before the capture ends, every train row is
+    trained on once and acked, no held-out row is trained on, and the waits are reported."""
+    from shards import live
+    from shards.run import as_location
+
     config = tmp_path / "capture.yaml"
     config.write_text(yaml.safe_dump({
         "target": "smollm2-135m", "dataset": "sharegpt", "limit": 24, "layers": "3,15,27", "topk": 8,
-        "max_tokens": 256, "overlength": "truncate", "ray_address": ray_cluster.address,
+        "max_tokens": 256, "overlength": "truncate", "unit_tokens": 512, "ray_address": ray_cluster.address,
         "out": str(tmp_path / "live")}))
+    cfg = _cfg(tmp_path / "live", tmp_path / "a", online=str(config), steps=1000, anchors_per_step=32,
+               vocab_warmup=2, checkpoint_every=2, target_dir=json.loads((small_run / "provenance.json").read_text())["model_dir"])
     with ray_cluster.connect():  # the online capture finds this process connected and leaves Ray as it found it
-        online = load_data(None, 0.25, topk=True, online=str(config))
-    offline = load_data(str(small_run), 0.25, topk=True)
+        result = online.train(cfg)
     assert not list((tmp_path / "live").glob("*.arrow"))  # nothing but the run's log on disk
-    assert online.summary() == offline.summary()
-    order = lambda seqs: sorted(seqs, key=lambda s: int(s["sample_id"].rpartition(":")[2]))  # noqa: E731
-    for a, b in zip(order(online.train) + order(online.heldout), order(offline.train) + order(offline.heldout)):
-        assert a["sample_id"] == b["sample_id"] and a["prompt_key"] == b["prompt_key"]
-        for key in ("input_ids", "loss_mask", "argmax", "topk_ids", "feats"):
-            assert torch.equal(a[key], b[key]), (a["sample_id"], key)
-    assert [s["sample_id"] for s in online.train] == [s["sample_id"] for s in order(online.train)]
-    offline = dataclasses.replace(offline, train=order(offline.train), heldout=order(offline.heldout))
-    cfg = _cfg(tmp_path / "live", tmp_path / "a", online=str(config), steps=20)
-    assert train(cfg, online)["drafter"] == train(dataclasses.replace(cfg, out=str(tmp_path / "b")), offline)["drafter"]
+    assert result["first_step_s"] < result["capture_s"]
+    assert result["trainer_waited_s"] > 0 and result["capture_waited_s"] >= 0
+    trained = [sid for e in _jsonl(tmp_path / "a" / "samples.jsonl") for _, _, sid in e["samples"]]
+    rows = {r["sample_id"] for r in iter_rows(small_run)}
+    held = {sid for sid in rows if data.heldout(sid, 0.25)}
+    assert len(trained) == len(set(trained)) and not set(trained) & held and set(trained) <= rows
+    assert len(trained) == result["data"]["train"]["conversations"] >= len(rows - held) - 2  # per_step 2: one may be left
+    assert live.acked_ids(as_location(tmp_path / "live")) == set(trained)
+    assert result["data"]["heldout"]["conversations"] + result["data"]["overlap_removed"] == len(held)
+    assert result["drafter"]["blocks"] == result["untrained"]["blocks"] == result["lookup"]["blocks"] > 0
+    again = evaluate_checkpoint(tmp_path / "a", str(small_run))
+    assert again["conversations"] + again["skipped_trained_on"] == len(held) and again["conversations"]
