@@ -161,7 +161,7 @@ def main() -> None:
     import torch
 
     from drafter.config import TrainConfig
-    from drafter.train import load_data, train
+    from drafter.train import train
     from shards import codecs
 
     register_probes()
@@ -179,7 +179,6 @@ def main() -> None:
     sizes = {c: state_bytes(run) for c, run in runs.items()}
     print("\n## Trainings")
     results: dict[str, list[dict]] = {}
-    cache: dict[str, object] = {}  # one codec's loaded data at a time (~2 GB decoded)
     for codec in TRAINED:
         for seed in SEEDS:
             out = args.work / "drafters" / f"{codec}-s{seed}"
@@ -188,17 +187,13 @@ def main() -> None:
                     break
                 cfg = TrainConfig(run=str(runs[codec]), out=str(out), heldout_run=held, seed=seed, progress=False,
                                   steps=args.steps, anchors_per_step=args.anchors_per_step)
-                if codec not in cache:
-                    cache.clear()
-                    cache[codec] = load_data(cfg.run, cfg.heldout_fraction, None, held)
                 t0 = time.time()
-                r = train(cfg, cache[codec])
+                r = train(cfg)  # streamed from the run (drafter.train)
                 r["wall_s"] = round(time.time() - t0, 1)
                 (out / "result.json").write_text(json.dumps(r))
                 print(f"  trained {codec} seed {seed}: accept_len {r['drafter']['accept_len']:.4f}, "
                       f"{r['seconds']} s training", flush=True)
             results.setdefault(codec, []).append(json.loads((out / "result.json").read_text()))
-    cache.clear()
     fidelity = measure(args.work, [*codecs.CODECS, *PROBES])
     report(sizes, fidelity, results, args.plot)
 

