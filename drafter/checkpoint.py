@@ -117,6 +117,14 @@ def save_state(out: str | os.PathLike, step: int, model: Drafter, optimizer: tor
     return final
 
 
+def read_state(folder: Path) -> dict:
+    """A training checkpoint's ``state.json``. Raises CaptureError when it cannot be read."""
+    try:
+        return json.loads((folder / "state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CaptureError(f"{folder}: not a readable training checkpoint ({e})") from None
+
+
 def load_state(folder: Path, model: Drafter, optimizer: torch.optim.Optimizer) -> tuple[dict, list[torch.Tensor]]:
     """Load a training checkpoint into ``model`` and ``optimizer``; returns (state.json, every rank's RNG
     state). Raises CaptureError for an unreadable checkpoint."""

@@ -129,12 +129,14 @@ def fingerprint(samples: Iterable[dict]) -> dict[str, np.ndarray]:
 
 def seen(sample: dict, prints: dict[str, np.ndarray]) -> bool:
     """True when ``sample`` shares its sample_id or prompt key with a :func:`fingerprint`."""
-    def member(arr, value):
-        i = np.searchsorted(arr, np.uint64(value))
-        return bool(i < len(arr) and arr[i] == np.uint64(value))
+    return _member(prints["sample_ids"], id_hash(sample["sample_id"])) or \
+        _member(prints["prompt_keys"], int(sample["prompt_key"], 16))
 
-    return member(prints["sample_ids"], id_hash(sample["sample_id"])) or \
-        member(prints["prompt_keys"], int(sample["prompt_key"], 16))
+
+def _member(arr: np.ndarray, value: int) -> bool:
+    """Whether sorted uint64 ``arr`` holds ``value``."""
+    i = np.searchsorted(arr, np.uint64(value))
+    return bool(i < len(arr) and arr[i] == np.uint64(value))
 
 
 def pick_anchors(loss_mask: torch.Tensor, k: int, seed: int, epoch: int, sample_id: str) -> torch.Tensor:
@@ -188,21 +190,23 @@ def _id_rows(run, split: str, fraction: float) -> Iterator[tuple[str, np.ndarray
 
 
 def scan(run, split: str, fraction: float, block_size: int, vocab_size: int, labels: str = "argmax",
-         exclude: dict[str, np.ndarray] | None = None) -> Scan:
+         exclude: dict[str, np.ndarray] | None = None, limit: int = 0) -> Scan:
     """:class:`Scan` of ``run``'s ``split`` (by ``fraction``, :func:`heldout`), read without the state
-    columns, skipping the conversations :func:`seen` in ``exclude``. Memory: O(conversations) integers
-    and O(vocab_size) counts."""
-    return scan_rows(_id_rows(run, split, fraction), block_size, vocab_size, labels, exclude)
+    columns, skipping the conversations :func:`seen` in ``exclude``; ``limit`` N > 0: the first N kept
+    conversations only. Memory: O(conversations) integers and O(vocab_size) counts."""
+    return scan_rows(_id_rows(run, split, fraction), block_size, vocab_size, labels, exclude, limit)
 
 
 def scan_rows(rows: Iterable[tuple[str, np.ndarray, np.ndarray, np.ndarray]], block_size: int, vocab_size: int,
-              labels: str = "argmax", exclude: dict[str, np.ndarray] | None = None) -> Scan:
+              labels: str = "argmax", exclude: dict[str, np.ndarray] | None = None, limit: int = 0) -> Scan:
     """:class:`Scan` of ``(sample_id, input_ids, loss_mask, argmax)`` rows (numpy or torch), in order."""
     n = tokens = removed = 0
     each, ids, keys = [], [], []
     label_counts = np.zeros(vocab_size, dtype=np.int64)
     bigram = metrics.BigramCounts(vocab_size)
     for sid, input_ids, mask, argmax in rows:
+        if limit and n >= limit:
+            break
         input_ids, mask, argmax = (np.asarray(x) for x in (input_ids, mask, argmax))
         seq = {"sample_id": sid, "input_ids": torch.from_numpy(input_ids.astype(np.int64)),
                "loss_mask": torch.from_numpy(mask.astype(bool)), "argmax": torch.from_numpy(argmax.astype(np.int64))}
@@ -226,12 +230,14 @@ def scan_rows(rows: Iterable[tuple[str, np.ndarray, np.ndarray, np.ndarray]], bl
 class Conversations(IterableDataset):
     """The training conversations of a :class:`ShardStream`, :func:`prepare`'d one at a time with their
     anchors (``"anchors"`` int64 [A'], :func:`pick_anchors` with ``per_seq``, ``seed`` and the stream's
-    epoch). A sample :func:`seen` in ``exclude`` or without an anchor comes out as ``{"sample_id",
-    "skip": reason}``, so that the trainer counts every sample of the stream (its resume position,
-    :meth:`ShardStream.state_dict`) whether it trained on it or not. Runs inside DataLoader workers."""
+    epoch). A sample :func:`seen` in ``exclude``, not seen in ``only`` (when given) or without an anchor
+    comes out as ``{"sample_id", "skip": reason}``, so that the trainer counts every sample of the stream
+    (its resume position, :meth:`ShardStream.state_dict`) whether it trained on it or not. Runs inside
+    DataLoader workers."""
 
-    def __init__(self, stream: ShardStream, per_seq: int, seed: int, exclude: dict[str, np.ndarray] | None = None):
-        self.stream, self.per_seq, self.seed, self.exclude = stream, per_seq, seed, exclude
+    def __init__(self, stream: ShardStream, per_seq: int, seed: int, exclude: dict[str, np.ndarray] | None = None,
+                 only: dict[str, np.ndarray] | None = None):
+        self.stream, self.per_seq, self.seed, self.exclude, self.only = stream, per_seq, seed, exclude, only
 
     def __iter__(self) -> Iterator[dict]:
         epoch = self.stream.epoch
@@ -240,6 +246,9 @@ class Conversations(IterableDataset):
             key = prompt_key(sample["input_ids"], sample["loss_mask"])
             if self.exclude is not None and seen({"sample_id": sid, "prompt_key": key}, self.exclude):
                 yield {"sample_id": sid, "skip": "heldout-overlap"}
+                continue
+            if self.only is not None and not _member(self.only["sample_ids"], id_hash(sid)):
+                yield {"sample_id": sid, "skip": "not-selected"}
                 continue
             anchors = pick_anchors(sample["loss_mask"], self.per_seq, self.seed, epoch, sid)
             if not len(anchors):

