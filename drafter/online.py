@@ -17,9 +17,10 @@ already trained on is dropped. The untrained drafter, the bigram baseline (fitte
 and prompt lookup are scored with the drafter at the end.
 
 **Exactly once**: after each checkpoint the trainer acks the rows the checkpoint covers
-(:meth:`OnlineStream.ack`); a trainer started again with the same ``--out`` loads the latest checkpoint
-and a new capture of the same folder delivers every row not acked (held-out rows included, which are
-never acked) and none that is.
+(:meth:`OnlineStream.ack`); a trainer started again with the same ``--out`` loads the latest checkpoint,
+acks its rows again (a kill between a checkpoint and its ack loses nothing) before it starts the capture,
+and the new capture of the same folder delivers every row not acked (held-out rows included, which are
+never acked, and rows trained after the checkpoint) and none that is.
 
 **Waits**: the summary reports ``trainer_waited_s`` (the trainer blocked on the queue: the capture is
 the bottleneck) and ``capture_waited_s`` (the capture blocked on a full queue: the trainer is).
@@ -42,6 +43,8 @@ from common.errors import CaptureError
 from drafter import blocks, checkpoint, data, evaluate, metrics
 from drafter.config import TrainConfig
 from drafter.model import load_target_head
+from shards import live
+from shards.run import resolve
 from drafter.train import (METRICS, SAMPLES, Logs, block_loss, build_model, check_out, default_target_dir, optimizer,
                            result_of, resumable, train_step)
 
@@ -59,6 +62,11 @@ def train(cfg: TrainConfig) -> dict:
 
     out = check_out(cfg)
     capture_cfg = from_mapping({**load_yaml(str(cfg.online)), "progress": False})
+    resume = checkpoint.latest(out)
+    if resume is not None:  # before the capture starts: it skips what the checkpoint covers, acked or not yet
+        resumable(checkpoint.read_state(resume), cfg, 1, resume)
+        trained = tuple(checkpoint.load_extra(resume)["trained_ids"])
+        live.write(resolve(capture_cfg.out), live.Ack("online", 0, 1, time.time(), sample_ids=trained))
     begin = time.perf_counter()
     run = online.start(capture_cfg)
     try:
@@ -134,7 +142,6 @@ def _train(cfg: TrainConfig, out: Path, stream, begin: float) -> dict:
     step = 0
     if resume is not None:
         state, _ = checkpoint.load_state(resume, model, opt)
-        resumable(state, cfg, 1, resume)
         step = state["step"]
     logs = Logs(out, 0, state["logs"] if resume is not None else None)
     if resume is None:

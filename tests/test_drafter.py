@@ -438,22 +438,29 @@ def _train_args(run, out, *extra):
             "--warmup-steps", "5", "--checkpoint-every", "4", "--no-progress", *extra]
 
 
-def test_a_killed_trainer_resumes_with_every_row_once_and_the_same_drafter(small_run, held_run, tmp_path):
-    """SIGKILL a real trainer process after a checkpoint, mid-epoch; the same command finishes the run:
-    the rows of each step, the log and the drafter are those of a run never stopped (2 DataLoader workers)."""
-    ref = capture_cli(*_train_args(small_run, tmp_path / "ref", "--workers", "2"))
-    assert ref.returncode == 0, ref.stderr
-    out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "cli", *_train_args(small_run, out, "--workers", "2")], cwd=REPO,
-                            env={**os.environ, "TQDM_DISABLE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def _kill_after_a_checkpoint(args: list[str], out, env: dict | None = None) -> dict:
+    """Run the CLI with ``args`` in a process of its own, SIGKILL it once ``out`` has a training checkpoint;
+    that checkpoint's state.json."""
+    proc = subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=env or {**os.environ, "TQDM_DISABLE": "1"})
     latest = out / "checkpoints" / "latest"
     deadline = time.monotonic() + 300
     while not latest.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    killed_at = json.loads((out / "checkpoints" / latest.read_text().strip() / "state.json").read_text())
+    assert proc.returncode == -signal.SIGKILL, "the trainer ended before its first checkpoint"
+    return json.loads((out / "checkpoints" / latest.read_text().strip() / "state.json").read_text())
+
+
+def test_a_killed_trainer_resumes_with_every_row_once_and_the_same_drafter(small_run, held_run, tmp_path):
+    """SIGKILL a real trainer process after a checkpoint, mid-epoch; the same command finishes the run:
+    the rows of each step, the log and the drafter are those of a run never stopped (2 DataLoader workers)."""
+    ref = capture_cli(*_train_args(small_run, tmp_path / "ref", "--workers", "2"))
+    assert ref.returncode == 0, ref.stderr
+    out = tmp_path / "killed"
+    killed_at = _kill_after_a_checkpoint(_train_args(small_run, out, "--workers", "2"), out)
+    latest = out / "checkpoints" / "latest"
     assert 4 <= killed_at["step"] < 60 and not (out / "model.safetensors").exists()
     by_epoch, _ = _epochs(tmp_path / "ref")
     assert killed_at["streams"][0]["position"] not in (0, len(by_epoch[0]))  # mid-epoch
@@ -576,3 +583,34 @@ def test_online_training_steps_while_the_capture_runs(small_run, tmp_path, ray_c
     assert result["drafter"]["blocks"] == result["untrained"]["blocks"] == result["lookup"]["blocks"] > 0
     again = evaluate_checkpoint(tmp_path / "a", str(small_run))
     assert again["conversations"] + again["skipped_trained_on"] == len(held) and again["conversations"]
+
+
+@pytest.mark.ray
+def test_a_killed_online_trainer_resumes_and_no_acked_row_comes_back(small_run, tmp_path, ray_cluster):
+    """SIGKILL an online trainer (its capture dies with it) after a checkpoint; the same command resumes from
+    it: the restarted capture delivers only rows not acked, and every train row is trained on once."""
+    from shards import live
+    from shards.run import as_location
+
+    config = tmp_path / "capture.yaml"
+    config.write_text(yaml.safe_dump({
+        "target": "smollm2-135m", "dataset": "sharegpt", "limit": 24, "layers": "3,15,27", "max_tokens": 256,
+        "overlength": "truncate", "unit_tokens": 512, "ray_address": ray_cluster.address, "out": str(tmp_path / "live")}))
+    out = tmp_path / "a"
+    args = ["drafter", "train", "--online", str(config), "--out", str(out), "--steps", "1000", "--anchors-per-step",
+            "32", "--anchors-per-seq", "16", "--heldout-fraction", "0.25", "--eval-anchors", "512", "--d-model", "64",
+            "--vocab-warmup", "2", "--checkpoint-every", "2", "--workers", "0", "--no-progress",
+            "--target-dir", json.loads((small_run / "provenance.json").read_text())["model_dir"]]
+    env = {**os.environ, "TQDM_DISABLE": "1", **ray_cluster.env}
+    at = _kill_after_a_checkpoint(args, out, env)["step"]
+    acked_before = live.acked_ids(as_location(tmp_path / "live"))
+    assert len(acked_before) <= 2 * at  # each checkpoint acks the 2 rows a step it covers, after it is written
+    again = subprocess.run([sys.executable, "-m", "cli", *args, "--json"], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    trained = [sid for e in _jsonl(out / "samples.jsonl") for _, _, sid in e["samples"]]
+    rows = {r["sample_id"] for r in iter_rows(small_run)}
+    held = {sid for sid in rows if data.heldout(sid, 0.25)}
+    assert len(trained) == len(set(trained)) and not set(trained) & held
+    assert set(trained) >= acked_before and len(trained) >= len(rows - held) - 2
+    assert live.acked_ids(as_location(tmp_path / "live")) == set(trained)
