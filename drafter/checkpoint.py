@@ -43,6 +43,15 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+def meta(cfg, header, target_dir: Path, embed: torch.Tensor, lm_head: torch.Tensor) -> dict:
+    """What ``config.json`` records beside the model config: the :class:`TrainConfig` ``cfg``, the tap
+    columns, target and tokenizer of the run ``header``, the target folder and the SHA-256 of its frozen
+    tensors (checked by :func:`load`)."""
+    return {"train": dataclasses.asdict(cfg), "taps": list(header.tap_columns), "target": header.target,
+            "tokenizer_sha256": header.tokenizer_sha256, "target_dir": str(target_dir),
+            "embed_sha256": tensor_sha256(embed), "lm_head_sha256": tensor_sha256(lm_head)}
+
+
 def save(model: Drafter, meta: dict, prints: dict[str, np.ndarray], out: str | os.PathLike) -> None:
     """Write ``model.safetensors``, ``config.json`` (``meta`` plus the model config) and ``train_set.npz``
     (``prints``) into ``out``."""

@@ -210,10 +210,7 @@ def _train(cfg: TrainConfig, out: Path, stream, begin: float) -> dict:
                                  "heldout": held_scan.summary(), "overlap_removed": count["dropped"]})
     trained = {"sample_ids": np.unique(np.array([data.id_hash(i) for i in trained_ids], dtype=np.uint64)),
                "prompt_keys": np.unique(np.array([int(k, 16) for k in trained_keys], dtype=np.uint64))}
-    meta = {"train": dataclasses.asdict(cfg), "taps": data.tap_columns(header), "target": header.target,
-            "tokenizer_sha256": header.tokenizer_sha256, "target_dir": str(tdir),
-            "embed_sha256": checkpoint.tensor_sha256(embed), "lm_head_sha256": checkpoint.tensor_sha256(lm_head)}
-    checkpoint.save(model, meta, trained, out)
+    checkpoint.save(model, checkpoint.meta(cfg, header, tdir, embed, lm_head), trained, out)
     scores = evaluate.score(rows(), B, model, bigram.table(), cfg.lookup or 2, cfg.eval_rows, cfg.precision)
     trained_state = copy.deepcopy(model.state_dict())
     model.load_state_dict(untrained)

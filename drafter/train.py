@@ -396,10 +396,7 @@ def train(cfg: TrainConfig) -> dict:
     if rank == 0:
         model.eval()
         logs.write(METRICS, {"kind": "fixed_loss", "step": cfg.steps, "loss": fixed_loss()})
-        meta = {"train": dataclasses.asdict(cfg), "taps": data.tap_columns(s.header), "target": s.header.target,
-                "tokenizer_sha256": s.header.tokenizer_sha256, "target_dir": str(s.target_dir),
-                "embed_sha256": checkpoint.tensor_sha256(s.embed), "lm_head_sha256": checkpoint.tensor_sha256(s.lm_head)}
-        checkpoint.save(model, meta, s.train.prints, out)
+        checkpoint.save(model, checkpoint.meta(cfg, s.header, s.target_dir, s.embed, s.lm_head), s.train.prints, out)
         drafter = evaluate.score(held_rows(), cfg.block_size, model, rows_per_batch=cfg.eval_rows,
                                  precision=cfg.precision)["drafter"]
         logs.write(METRICS, {"kind": "eval", "model": "drafter", "split": "heldout", "train_seconds": seconds,
