@@ -35,6 +35,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -231,23 +232,29 @@ def _gather(obj, world: int) -> list:
     return out
 
 
-def _fixed_batches(cfg: TrainConfig, s: Setup, per_step: int) -> list[blocks.Batch]:
+def _fixed_batches(cfg: TrainConfig, s: Setup, per_step: int) -> Iterator[blocks.Batch]:
     """The first train conversations in manifest order, anchors drawn for "epoch" -1, up to
-    :data:`FIXED_ANCHORS` anchors, as batches of ``per_step`` rows: the loss logged before and after."""
+    :data:`FIXED_ANCHORS` anchors, as batches of ``per_step`` rows: the loss logged before and after
+    training. Streamed again at each call (one batch held at a time)."""
     run, split, fraction = s.train_source
     stream = ShardStream(run, split=split, heldout_fraction=fraction, final=False, topk=cfg.kl_weight > 0, rank=0,
                          world_size=1)
     stream.epoch = -1  # anchors of their own, not those of a training epoch
-    convs, n = [], 0
+    part, n = [], 0
     for conv in data.Conversations(stream, cfg.anchors_per_seq, cfg.seed, s.held.prints, s.only):
         if "skip" in conv:
             continue
-        convs.append(conv)
+        part.append(conv)
         n += len(conv["anchors"])
+        if len(part) == per_step or n >= FIXED_ANCHORS:
+            yield blocks.make_batch(part, [c["anchors"] for c in part], cfg.block_size, cfg.labels,
+                                    cfg.kl_weight > 0, cfg.lookup)
+            part = []
         if n >= FIXED_ANCHORS:
-            break
-    return [blocks.make_batch(part, [c["anchors"] for c in part], cfg.block_size, cfg.labels, cfg.kl_weight > 0,
-                              cfg.lookup) for part in (convs[i:i + per_step] for i in range(0, len(convs), per_step))]
+            return
+    if part:
+        yield blocks.make_batch(part, [c["anchors"] for c in part], cfg.block_size, cfg.labels, cfg.kl_weight > 0,
+                                cfg.lookup)
 
 
 def check_out(cfg: TrainConfig) -> Path:
@@ -325,14 +332,12 @@ def train(cfg: TrainConfig) -> dict:
     run, split, fraction = s.train_source
     stream = ShardStream(run, split=split, heldout_fraction=fraction, final=False, topk=topk, shuffle=True,
                          seed=cfg.seed, shuffle_buffer=cfg.shuffle_buffer, rank=rank, world_size=world)
-    fixed = _fixed_batches(cfg, s, per_step)
-
-    def loss_of(batch):
-        return block_loss(model, batch, cfg.loss_decay, cfg.kl_weight, cfg.precision)
 
     def fixed_loss() -> float:
         with torch.no_grad():
-            return sum(float(loss_of(b)) for b in fixed) / len(fixed)
+            losses = [float(block_loss(model, b, cfg.loss_decay, cfg.kl_weight, cfg.precision))
+                      for b in _fixed_batches(cfg, s, per_step)]
+        return sum(losses) / len(losses)
 
     def held_rows():
         return evaluate.heldout_rows(*s.held_source, s.held, cfg.anchors_per_seq, cfg.eval_anchors)
