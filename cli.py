@@ -475,6 +475,8 @@ def _drafter_values(config_file, flags: dict) -> dict:
 @click.option("--run", help="Capture run folder (shards + manifest.jsonl).")
 @click.option("--online", type=click.Path(), help="A `capture run --config` YAML: capture it now and train on its "
               "rows straight from the Ray replicas, with no shards on disk (--run defaults to its out folder).")
+@click.option("--follow", is_flag=True, default=None, help="--run is a capture still writing its shards: train on "
+              "its rows as they are committed (tail mode; needs --heldout-run).")
 @click.option("--out", help="Output folder: model.safetensors, config.json, metrics.jsonl.")
 @click.option("--target-dir", type=click.Path(), help="Model folder with the target's safetensors "
               "(default: the run's provenance.json model_dir).")
@@ -518,7 +520,7 @@ def drafter_train(config_file, no_progress, as_json, **flags) -> None:
     """Train a drafter, streamed from the run's shards; score it, the untrained drafter, the bigram and
     prompt-lookup baselines on the held-out split. Under `torchrun --nproc-per-node N -m cli drafter train ...`
     each rank reads its own rows and gradients are averaged. Rerun with the same --out to resume."""
-    from drafter import online
+    from drafter import live
     from drafter.config import from_mapping
     from drafter.train import train
 
@@ -526,7 +528,7 @@ def drafter_train(config_file, no_progress, as_json, **flags) -> None:
     if no_progress:
         values["progress"] = False
     cfg = from_mapping(values)
-    result = online.train(cfg) if cfg.online else train(cfg)
+    result = live.train(cfg) if cfg.online or cfg.follow else train(cfg)
     _emit(result, as_json, _print_drafter_scores)
 
 

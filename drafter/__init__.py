@@ -4,7 +4,7 @@ Modules: :mod:`drafter.data` (shard rows → per-conversation tensors, streamed;
 from training; the drafter's only door to ``shards.stream``), :mod:`drafter.blocks` (anchors, block
 labels, padded batches), :mod:`drafter.model` (the drafter), :mod:`drafter.metrics` (acceptance length,
 bigram baseline), :mod:`drafter.config` (:class:`TrainConfig`), :mod:`drafter.train` (the training loop:
-offline runs, ranks, resume), :mod:`drafter.online` (training while the capture runs),
+offline runs, ranks, resume), :mod:`drafter.live` (training while the capture runs: online or followed),
 :mod:`drafter.evaluate` (held-out scores), :mod:`drafter.checkpoint` (the trained drafter's files and
 the training checkpoints).
 """

@@ -37,6 +37,9 @@ class TrainConfig:
     # a `capture run --config` YAML: capture it now and train on its rows straight from the Ray replicas
     # (capture.online; no shards, only the run's log in its out folder); None: read `run`'s shards
     online: str | None = None
+    # True: `run` is a capture still writing its shards: train on its rows as they are committed (tail mode,
+    # drafter.live; needs heldout_run)
+    follow: bool = False
     target_dir: str | None = None  # model folder with the target's safetensors (default: provenance.json's)
     heldout_run: str | None = None
     seed: int = 0
@@ -67,7 +70,7 @@ class TrainConfig:
     workers: int = 1  # DataLoader processes decoding conversations (0: in the training process)
     shuffle_buffer: int = 1024  # rows of the stream's shuffle buffer (shard/row numbers, not states)
     checkpoint_every: int = 100  # steps between training checkpoints (and one at the end)
-    vocab_warmup: int = 64  # online: train conversations whose labels make the head vocabulary (drafter.online)
+    vocab_warmup: int = 64  # online/follow: train conversations whose labels make the head vocabulary (drafter.live)
     progress: bool = True
 
 
@@ -125,6 +128,8 @@ def validate(cfg: TrainConfig) -> None:
                            "head size (rotary embeddings rotate pairs)")
     if not 0 <= cfg.dropout < 1:
         raise CaptureError(f"dropout must be in [0, 1), got {cfg.dropout}")
+    if cfg.follow and cfg.online:
+        raise CaptureError("--follow (a run on disk a capture is writing) and --online (rows from Ray) exclude each other")
     if not 0 < cfg.heldout_fraction < 1:
         raise CaptureError(f"heldout_fraction must be in (0, 1), got {cfg.heldout_fraction}")
     if (cfg.lr <= 0 or cfg.loss_decay < 0 or cfg.eval_anchors < 0 or cfg.warmup_steps < 0 or cfg.kl_weight < 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import time
@@ -52,6 +53,7 @@ from shards.format import RunHeader
 from shards.run import MANIFEST, MANIFEST_DIR, as_location
 from shards.stream import ShardStream
 
+log = logging.getLogger(__name__)
 METRICS = "metrics.jsonl"
 SAMPLES = "samples.jsonl"
 FIXED_ANCHORS = 1024  # anchors of the fixed train batches whose loss is logged before and after training
@@ -318,8 +320,8 @@ def train(cfg: TrainConfig) -> dict:
     Returns ``{"data", "untrained", "bigram", "lookup", "drafter"}`` (held-out scores), ``fixed_loss``
     before/after and ``seconds`` (the training loop of this process). Raises CaptureError when ``out``
     already holds a drafter or a run, or holds a checkpoint of other settings or another world size."""
-    if cfg.online:
-        raise CaptureError("an online config trains with drafter.online.train (the CLI picks it for --online)")
+    if cfg.online or cfg.follow:
+        raise CaptureError("a live capture trains with drafter.live.train (the CLI picks it for --online/--follow)")
     out = check_out(cfg)
     rank, world = _world()
     resume = checkpoint.latest(out)
@@ -348,6 +350,8 @@ def train(cfg: TrainConfig) -> dict:
         stream.load_state_dict(state["streams"][rank])
         torch.set_rng_state(rngs[rank])
         step = state["step"]
+        if rank == 0:
+            log.info("resuming %s from its checkpoint of step %d (%s)", out, step, resume.name)
     logs = Logs(out, rank, state["logs"] if resume is not None else None)
     if resume is None and rank == 0:
         logs.write(METRICS, {"kind": "data", **s.summary()})

@@ -101,15 +101,12 @@ def write_run(run_dir: Path, batches: list[list[Row]], target_bytes: int = BIG, 
     return infos
 
 
-def drafter_run(out: Path, n: int, tokens: int = 1024, hidden: int = 384, vocab: int = 4096, seed: int = 0,
-                shard_bytes: int = 16 << 20) -> tuple[Path, Path]:
-    """A run a drafter trains on, of ``n`` random conversations of ``tokens`` tokens (ids below ``vocab``,
-    half of them supervised, two taps of ``hidden`` bf16 channels, no final state), committed in shards of
-    about ``shard_bytes``, and a target folder whose tied ``embed_tokens`` (bf16 [vocab, hidden]) the
-    drafter loads. Returns (run folder, target folder). Row ``i`` is the same in every size (its own seed),
-    so a larger run extends a smaller one."""
-    from safetensors.torch import save_file
-
+def drafter_rows(n: int, tokens: int = 1024, hidden: int = 384, vocab: int = 4096, seed: int = 0,
+                 dataset: str = "synthetic") -> tuple[RunHeader, list[Row]]:
+    """(header, rows) of ``n`` random conversations a drafter trains on: ``tokens`` tokens (ids below
+    ``vocab``; a 64-token prompt, then supervised and unsupervised stretches of 64), two taps of ``hidden``
+    bf16 channels, no final state; sample ids ``{dataset}:{i}``. Row ``i`` is the same in every size (its own
+    seed), so a larger set extends a smaller one."""
     header = make_header(hidden_size=hidden, columns=["tap_1", "tap_3"], taps={"layers": [1, 3], "final": None,
                                                                               "tap_convention": "t"})
     rows = []
@@ -121,15 +118,29 @@ def drafter_run(out: Path, n: int, tokens: int = 1024, hidden: int = 384, vocab:
         gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
         states = {c: torch.randn(tokens, hidden, generator=gen).bfloat16() for c in header.columns}
         argmax = rng.integers(0, vocab, tokens, dtype=np.int32)
-        rows.append(Row(f"synthetic:{i}", "synthetic", i, ids, mask, argmax, states, token_sha256(ids)))
+        rows.append(Row(f"{dataset}:{i}", "synthetic", i, ids, mask, argmax, states, token_sha256(ids)))
+    return header, rows
+
+
+def drafter_target(out: Path, vocab: int = 4096, hidden: int = 384, seed: int = 0) -> Path:
+    """A target folder whose tied ``embed_tokens`` (bf16 [vocab, hidden]) a drafter loads."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    embed = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    save_file({"model.embed_tokens.weight": embed}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    return out
+
+
+def drafter_run(out: Path, n: int, tokens: int = 1024, hidden: int = 384, vocab: int = 4096, seed: int = 0,
+                shard_bytes: int = 16 << 20, dataset: str = "synthetic") -> tuple[Path, Path]:
+    """:func:`drafter_rows` committed as a complete run in ``out/run`` (shards of about ``shard_bytes``) and
+    :func:`drafter_target` in ``out/target``. Returns (run folder, target folder)."""
+    header, rows = drafter_rows(n, tokens, hidden, vocab, seed, dataset)
     run = out / "run"
     write_run(run, [rows[i:i + 8] for i in range(0, n, 8)], target_bytes=shard_bytes, header=header)
-    target = out / "target"
-    target.mkdir(parents=True, exist_ok=True)
-    embed = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(seed)).bfloat16()
-    save_file({"model.embed_tokens.weight": embed}, str(target / "model.safetensors"))
-    (target / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
-    return run, target
+    return run, drafter_target(out / "target", vocab, hidden, seed)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -551,3 +551,60 @@ def test_memory_does_not_grow_with_the_run(tmp_path):
         result = _jsonl(tmp_path / f"d{n}" / "metrics.jsonl")
         assert result[0]["train"]["conversations"] + result[0]["heldout"]["conversations"] == n
     assert peaks[128] < 1.2 * peaks[32], peaks
+
+
+def test_follow_trains_on_shards_as_they_are_committed_and_resumes_after_a_kill(tmp_path):
+    """`drafter train --follow`: a real trainer process reads a run this test is still writing (tail mode),
+    steps before the run completes, is SIGKILLed after a checkpoint and resumed by the same command: every row
+    of the run is trained on exactly once, no row of the held-out run, and the acks are by stream position."""
+    import threading
+
+    from shards import live
+    from shards.manifest import ManifestWriter
+    from shards.run import as_location
+    from shards.writer import ShardWriter
+
+    held, target = helpers.drafter_run(tmp_path / "held", 6, tokens=256, hidden=64, vocab=512, dataset="held")
+    header, rows = helpers.drafter_rows(48, tokens=256, hidden=64, vocab=512, seed=1)
+    run, out = tmp_path / "live", tmp_path / "d"
+    mw, _ = ManifestWriter.open(run, header)
+    writer = ShardWriter(run, helpers.shard_format.schema(header), target_bytes=1)  # a shard a write
+    go, done = threading.Event(), {}
+
+    def capture():  # 4 rows a commit; after 3 commits it waits for the test (the trainer is being killed)
+        for i in range(0, len(rows), 4):
+            if i == 12:
+                go.wait(300)
+            for info in writer.write(rows[i:i + 4]):
+                mw.commit(info)
+            time.sleep(0.3)
+        for info in writer.close():
+            mw.commit(info)
+        done["at"] = time.time()
+        mw.complete({"rows": len(rows), "reason": "test"})
+
+    thread = threading.Thread(target=capture)
+    thread.start()
+    args = ["drafter", "train", "--follow", "--run", str(run), "--heldout-run", str(held), "--target-dir", str(target),
+            "--out", str(out), "--steps", "1000", "--anchors-per-step", "32", "--anchors-per-seq", "16", "--d-model",
+            "32", "--vocab-warmup", "4", "--checkpoint-every", "2", "--eval-anchors", "256", "--workers", "0",
+            "--no-progress"]
+    try:
+        at = _kill_after_a_checkpoint(args, out)
+        go.set()
+        assert at["streams"][0]["position"] >= 2 * at["step"] and "done" not in done  # killed mid-run
+        acks = live.read(as_location(run), "tail")
+        assert acks and acks[-1].position <= at["streams"][0]["position"]
+        started = time.time()
+        again = subprocess.run([sys.executable, "-m", "cli", *args, "--json"], cwd=REPO, capture_output=True,
+                               text=True, timeout=600, env={**os.environ, "TQDM_DISABLE": "1"})
+    finally:
+        go.set()
+        thread.join()
+    assert again.returncode == 0, again.stderr[-3000:]
+    result = json.loads(again.stdout)
+    assert started + result["first_step_s"] < done["at"]  # stepping before the run completed
+    trained = [sid for e in _jsonl(out / "samples.jsonl") for _, _, sid in e["samples"]]
+    assert len(trained) == len(set(trained)) and set(trained) <= {r.sample_id for r in rows}
+    assert len(trained) >= len(rows) - 1  # per_step 2: the last row may be left over
+    assert result["data"]["heldout"]["conversations"] == 6 and result["drafter"]["blocks"] > 0
