@@ -53,11 +53,11 @@ from common.errors import CaptureError
 from drafter import blocks, checkpoint, data, evaluate, metrics
 from drafter.config import TrainConfig
 from drafter.model import load_target_head
+from drafter.train import (FIXED_ANCHORS, METRICS, SAMPLES, Logs, block_loss, build_model, check_compatible, check_out,
+                           default_target_dir, optimizer, result_of, resumable, train_step)
 from shards import live
 from shards.run import resolve
 from shards.stream import ShardStream
-from drafter.train import (METRICS, SAMPLES, Logs, block_loss, build_model, check_compatible, check_out,
-                           default_target_dir, optimizer, result_of, resumable, train_step)
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +204,14 @@ def _train(cfg: TrainConfig, out: Path, src: Source, begin: float) -> dict:
     model = build_model(cfg, header, embed, lm_head, counts)
     untrained = copy.deepcopy(model.state_dict())
     opt = optimizer(cfg, model)
+    first, n = [], 0  # the fixed-loss conversations: the first ones, up to FIXED_ANCHORS anchors
+    for c in warm:
+        if n >= FIXED_ANCHORS:
+            break
+        first.append(c)
+        n += len(c["anchors"])
     fixed = [blocks.make_batch(part, [c["anchors"] for c in part], B, cfg.labels, cfg.kl_weight > 0, cfg.lookup)
-             for part in (warm[i:i + per_step] for i in range(0, len(warm), per_step))]
+             for part in (first[i:i + per_step] for i in range(0, len(first), per_step))]
 
     def fixed_loss() -> float:
         with torch.no_grad():
