@@ -71,11 +71,14 @@ def load(path: str | os.PathLike, target_dir: str | None = None) -> tuple[Drafte
     from safetensors.torch import load_file
 
     path = Path(path)
+    if not (path / CHECKPOINT).exists() and latest(path) is not None:
+        raise CaptureError(f"{path}: training not finished (a training checkpoint, no drafter yet); rerun "
+                           "`capture drafter train` with this --out to resume it")
     try:
         meta = json.loads((path / CONFIG).read_text())
         state = load_file(str(path / CHECKPOINT))
-    except (OSError, ValueError) as e:
-        raise CaptureError(f"{path}: not a drafter checkpoint ({e})") from None
+    except Exception as e:  # noqa: BLE001 - OSError, JSON, safetensors' own error for a damaged file
+        raise CaptureError(f"{path}: not a drafter checkpoint ({str(e).splitlines()[0]})") from None
     tdir = Path(target_dir or meta["target_dir"])
     embed, lm_head = load_target_head(tdir)
     if tensor_sha256(embed) != meta["embed_sha256"] or tensor_sha256(lm_head) != meta["lm_head_sha256"]:
@@ -116,10 +119,11 @@ def save_state(out: str | os.PathLike, step: int, model: Drafter, optimizer: tor
         os.rename(tmp, final)
         (root / f".{LATEST}.tmp").write_text(name + "\n")
         os.replace(root / f".{LATEST}.tmp", root / LATEST)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - OSError, and what torch / safetensors raise on a full disk
         shutil.rmtree(tmp, ignore_errors=True)
         kept = f"the last good one is {before}" if before else "no earlier checkpoint"
-        raise CaptureError(f"cannot write the checkpoint of step {step} in {root} ({e.strerror or e}); {kept}") from None
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        raise CaptureError(f"cannot write the checkpoint of step {step} in {root} ({why}); {kept}") from None
     for old in root.glob("step-*"):
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
@@ -141,10 +145,15 @@ def load_state(folder: Path, model: Drafter, optimizer: torch.optim.Optimizer) -
 
     try:
         state = json.loads((folder / "state.json").read_text())
-        model.load_state_dict(load_file(str(folder / CHECKPOINT)))
+        tensors = load_file(str(folder / CHECKPOINT))
         saved = torch.load(folder / "optimizer.pt", weights_only=True)
-    except (OSError, ValueError, RuntimeError) as e:
-        raise CaptureError(f"{folder}: not a readable training checkpoint ({e})") from None
+    except Exception as e:  # noqa: BLE001 - OSError, JSON, torch's and safetensors' errors for a damaged file
+        raise CaptureError(f"{folder}: not a readable training checkpoint ({str(e).splitlines()[0]}); train into "
+                           "another --out") from None
+    if tensors["vocab"].shape != model.vocab.shape or not torch.equal(tensors["vocab"], model.vocab):
+        raise CaptureError(f"{folder}: the run changed since this checkpoint (its train labels differ); train into "
+                           "another --out")
+    model.load_state_dict(tensors)
     optimizer.load_state_dict(saved["optimizer"])
     return state, saved["rng"]
 

@@ -53,7 +53,7 @@ from common.errors import CaptureError
 from drafter import blocks, checkpoint, data, evaluate, metrics
 from drafter.config import TrainConfig
 from drafter.model import load_target_head
-from drafter.train import (FIXED_ANCHORS, METRICS, SAMPLES, Logs, block_loss, build_model, check_compatible, check_out,
+from drafter.train import (FIXED_ANCHORS, METRICS, SAMPLES, Logs, block_loss, build_model, check_compatible, locked_out,
                            default_target_dir, optimizer, result_of, resumable, train_step)
 from shards import live
 from shards.run import resolve
@@ -89,11 +89,11 @@ def train(cfg: TrainConfig) -> dict:
     ``capture_waited_s``, ``capture_s`` (to the capture's end) and ``capture`` (its summary). Raises
     CaptureError as the capture does, for a run that cannot train a drafter, when every row was acked by an
     earlier trainer, or when no commit arrives for :data:`FOLLOW_TIMEOUT_S` seconds."""
-    out = check_out(cfg)
-    resume = checkpoint.latest(out)
-    if resume is not None:
-        resumable(checkpoint.read_state(resume), cfg, 1, resume)
-    return _online(cfg, out, resume) if cfg.online else _follow(cfg, out, resume)
+    with locked_out(cfg) as out:
+        resume = checkpoint.latest(out)
+        if resume is not None:
+            resumable(checkpoint.read_state(resume), cfg, 1, resume)
+        return _online(cfg, out, resume) if cfg.online else _follow(cfg, out, resume)
 
 
 def _online(cfg: TrainConfig, out: Path, resume: Path | None) -> dict:

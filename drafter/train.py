@@ -29,6 +29,7 @@ trained on).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -259,27 +260,52 @@ def _fixed_batches(cfg: TrainConfig, s: Setup, per_step: int) -> Iterator[blocks
                                 cfg.lookup)
 
 
-def check_out(cfg: TrainConfig) -> Path:
-    """``cfg.out``, created. Raises CaptureError when it holds a trained drafter or a capture run."""
+LOCK = ".drafter.lock"
+
+
+@contextlib.contextmanager
+def locked_out(cfg: TrainConfig, rank: int = 0) -> Iterator[Path]:
+    """``cfg.out``, created, writable and, for rank 0, locked (``.drafter.lock``, released on exit or by the
+    OS if the process dies) while the block runs. Raises CaptureError when it holds a trained drafter or a
+    capture run, cannot be written, or another trainer holds it."""
+    from filelock import FileLock, Timeout
+
     out = Path(cfg.out)
     if (out / checkpoint.CHECKPOINT).exists():
-        raise CaptureError(f"{out} already holds a trained drafter; train into another --out")
+        raise CaptureError(f"{out} already holds a trained drafter (score it with `capture drafter eval {out}`); "
+                           "train into another --out")
     if (out / MANIFEST).exists() or (out / MANIFEST_DIR).exists():
         raise CaptureError(f"{out} holds a capture run; train into another --out")
+    lock = FileLock(str(out / LOCK))
     try:
         out.mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            lock.acquire(timeout=0)
+    except Timeout:
+        raise CaptureError(f"another trainer is writing {out} (it holds {out / LOCK})") from None
     except OSError as e:
-        raise CaptureError(f"cannot create --out {out}: {e.strerror or e}") from None
-    return out
+        raise CaptureError(f"cannot write --out {out}: {e.strerror or e}") from None
+    try:
+        yield out
+    finally:
+        if lock.is_locked:
+            lock.release()
 
 
 _RESUME_FREE = ("out", "progress", "workers", "checkpoint_every")  # settings a resume may change: same rows, same drafter
 
 
+def _norm(key: str, value):
+    """A setting as a resume compares it: local folders by their resolved path."""
+    if key in ("run", "heldout_run", "target_dir", "online") and isinstance(value, str) and "://" not in value:
+        return os.path.realpath(value)
+    return value
+
+
 def resumable(saved: dict, cfg: TrainConfig, world: int, folder: Path) -> None:
     """Raise CaptureError unless a training checkpoint was made by this config and world size."""
     mine = dataclasses.asdict(cfg)
-    diff = [k for k, v in saved["config"].items() if k not in _RESUME_FREE and mine.get(k) != v]
+    diff = [k for k, v in saved["config"].items() if k not in _RESUME_FREE and _norm(k, mine.get(k)) != _norm(k, v)]
     if diff:
         raise CaptureError(f"{folder} was trained with other settings ({', '.join(diff)}); resume with the same "
                            "ones or train into another --out")
@@ -297,8 +323,13 @@ class Logs:
         if rank != 0:
             return
         for name in (METRICS, SAMPLES):
-            f = open(out / name, "r+b" if lengths and (out / name).exists() else "wb")
-            f.truncate(lengths.get(name, 0) if lengths else 0)
+            keep = lengths.get(name, 0) if lengths else 0
+            path = out / name
+            if keep and (not path.exists() or path.stat().st_size < keep):
+                raise CaptureError(f"{path} is shorter than at the checkpoint ({keep} bytes): it was cut or removed; "
+                                   "train into another --out")
+            f = open(path, "r+b" if keep else "wb")
+            f.truncate(keep)
             f.seek(0, os.SEEK_END)
             self.files[name] = f
 
@@ -322,8 +353,12 @@ def train(cfg: TrainConfig) -> dict:
     already holds a drafter or a run, or holds a checkpoint of other settings or another world size."""
     if cfg.online or cfg.follow:
         raise CaptureError("a live capture trains with drafter.live.train (the CLI picks it for --online/--follow)")
-    out = check_out(cfg)
     rank, world = _world()
+    with locked_out(cfg, rank) as out:
+        return _train(cfg, out, rank, world)
+
+
+def _train(cfg: TrainConfig, out: Path, rank: int, world: int) -> dict:
     resume = checkpoint.latest(out)
     if resume is not None:  # refused before any scan
         resumable(checkpoint.read_state(resume), cfg, world, resume)

@@ -608,3 +608,35 @@ def test_follow_trains_on_shards_as_they_are_committed_and_resumes_after_a_kill(
     assert len(trained) == len(set(trained)) and set(trained) <= {r.sample_id for r in rows}
     assert len(trained) >= len(rows) - 1  # per_step 2: the last row may be left over
     assert result["data"]["heldout"]["conversations"] == 6 and result["drafter"]["blocks"] > 0
+
+
+def test_a_full_disk_a_second_trainer_and_a_damaged_checkpoint_are_one_line(tmp_path):
+    import shutil
+
+    from filelock import FileLock
+
+    from conftest import small_disk
+
+    run, target = helpers.drafter_run(tmp_path / "r", 12, tokens=256, hidden=64, vocab=512)
+    args = ["drafter", "train", "--run", str(run), "--target-dir", str(target), "--steps", "4", "--anchors-per-step",
+            "32", "--anchors-per-seq", "16", "--d-model", "32", "--eval-anchors", "128", "--heldout-fraction", "0.25",
+            "--checkpoint-every", "2", "--workers", "0", "--no-progress"]
+    with small_disk(tmp_path / "disk", "96k") as disk:  # the metrics fit, a checkpoint does not
+        full = capture_cli(*args, "--out", str(disk / "d"))
+        assert full.returncode == 2 and "cannot write the checkpoint of step 2" in full.stderr
+        assert "no earlier checkpoint" in full.stderr and "Traceback" not in full.stderr
+        assert not list((disk / "d" / "checkpoints").glob(".*tmp"))  # no partial checkpoint left on the full disk
+    (tmp_path / "busy").mkdir()
+    with FileLock(str(tmp_path / "busy" / ".drafter.lock")):  # another trainer's
+        busy = capture_cli(*args, "--out", str(tmp_path / "busy"))
+    assert busy.returncode == 2 and "another trainer is writing" in busy.stderr
+    assert capture_cli(*args, "--out", str(tmp_path / "ok")).returncode == 0
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tmp_path / "ok" / "checkpoints", damaged / "checkpoints")
+    step = damaged / "checkpoints" / (damaged / "checkpoints" / "latest").read_text().strip()
+    os.truncate(step / "model.safetensors", 100)
+    bad = capture_cli(*args, "--out", str(damaged))
+    assert bad.returncode == 2 and "not a readable training checkpoint" in bad.stderr and "Traceback" not in bad.stderr
+    os.truncate(tmp_path / "ok" / "model.safetensors", 100)
+    bad = capture_cli("drafter", "eval", str(tmp_path / "ok"), "--run", str(run))
+    assert bad.returncode == 2 and "not a drafter checkpoint" in bad.stderr and "Traceback" not in bad.stderr
