@@ -532,12 +532,14 @@ finally:
 
 def peak_rss_mib(*args: str) -> float:
     """Run the CLI in a fresh process (no DataLoader worker: every decode in it); its peak resident MiB."""
+    env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG") if k in os.environ}  # nothing an earlier test set
     proc = subprocess.run([sys.executable, "-c", PEAK_RSS, *args], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "TQDM_DISABLE": "1"}, timeout=600)
+                          env={**env, "TQDM_DISABLE": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return int(proc.stderr.split("peak_rss_kib")[-1].split()[0]) / 1024
 
 
+@pytest.mark.model  # no model: trainings in processes of their own, the slow lane
 def test_memory_does_not_grow_with_the_run(tmp_path):
     """The same training on a run 4x larger (1.5 MiB of states a conversation: 48 vs 192 MiB of feats held,
     had the trainer kept them) peaks within 1.2x the resident memory; bench/trainer_memory.out: 8x."""
@@ -553,6 +555,7 @@ def test_memory_does_not_grow_with_the_run(tmp_path):
     assert peaks[128] < 1.2 * peaks[32], peaks
 
 
+@pytest.mark.model  # no model: a trainer in a process of its own, the slow lane
 def test_follow_trains_on_shards_as_they_are_committed_and_resumes_after_a_kill(tmp_path):
     """`drafter train --follow`: a real trainer process reads a run this test is still writing (tail mode),
     steps before the run completes, is SIGKILLed after a checkpoint and resumed by the same command: every row
