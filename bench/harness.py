@@ -114,8 +114,9 @@ def capture_run(*args: str | Path) -> tuple[dict | None, str]:
 
 
 def workdir(prefix: str, given: Path | None = None) -> Path:
-    """``given`` (a ``--work`` folder, made if missing), else a new folder ``/tmp/<prefix>XXXXXXXX``; either
-    is kept after the run (its captures can be read or reused)."""
+    """``given`` (a ``--work`` folder, made if missing), else a new folder made by ``tempfile.mkdtemp`` with
+    ``prefix`` (under the system temp folder, a random suffix); either is kept after the run (its captures can
+    be read or reused)."""
     if given is None:
         return Path(tempfile.mkdtemp(prefix=prefix))
     given.mkdir(parents=True, exist_ok=True)
