@@ -92,11 +92,12 @@ def normalize_taps(taps: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)).flatten(1).to(torch.bfloat16)
 
 
-def prepare(sample: dict) -> dict:
-    """A :class:`ShardStream` sample → the drafter's conversation dict (module docstring)."""
+def prepare(sample: dict, key: str | None = None) -> dict:
+    """A :class:`ShardStream` sample → the drafter's conversation dict (module docstring); ``key``: its
+    :func:`prompt_key` when the caller has it already."""
     out = {k: sample[k] for k in ("sample_id", "source", "input_ids", "loss_mask", "argmax")}
     out["feats"] = normalize_taps(sample["taps"])
-    out["prompt_key"] = prompt_key(sample["input_ids"], sample["loss_mask"])
+    out["prompt_key"] = key or prompt_key(sample["input_ids"], sample["loss_mask"])
     if "topk_ids" in sample:
         out["topk_ids"], out["topk_logprobs"] = sample["topk_ids"].long(), sample["topk_logprobs"].float()
     return out
@@ -242,8 +243,7 @@ class Conversations(IterableDataset):
     def __iter__(self) -> Iterator[dict]:
         epoch = self.stream.epoch
         for sample in self.stream:
-            sid = sample["sample_id"]
-            key = prompt_key(sample["input_ids"], sample["loss_mask"])
+            sid, key = sample["sample_id"], prompt_key(sample["input_ids"], sample["loss_mask"])
             if self.exclude is not None and seen({"sample_id": sid, "prompt_key": key}, self.exclude):
                 yield {"sample_id": sid, "skip": "heldout-overlap"}
                 continue
@@ -254,6 +254,6 @@ class Conversations(IterableDataset):
             if not len(anchors):
                 yield {"sample_id": sid, "skip": "no-anchor"}
                 continue
-            conv = prepare(sample)
+            conv = prepare(sample, key)
             conv["anchors"] = anchors
             yield conv
