@@ -214,4 +214,4 @@ def _unacked(run_dir: str, acked: set[str]):
     for shard in manifest_mod.read(loc).shards:
         rows = [i for i, sid in enumerate(shard["sample_ids"]) if sid not in acked]
         if rows:
-            yield payload(loc.read_table(shard["path"]).take(rows))
+            yield payload(loc.read_table(shard["path"], rows=shard["rows"]).take(rows))

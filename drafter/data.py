@@ -183,7 +183,7 @@ def _id_rows(run, split: str, fraction: float) -> Iterator[tuple[str, np.ndarray
     for shard in manifest_mod.read(loc).shards:
         if not any(in_split(sid, split, fraction) for sid in shard["sample_ids"]):
             continue
-        table = loc.read_table(shard["path"], ["sample_id", "input_ids", "loss_mask", "argmax"])
+        table = loc.read_table(shard["path"], ["sample_id", "input_ids", "loss_mask", "argmax"], shard["rows"])
         for i, sid in enumerate(table.column("sample_id").to_pylist()):
             if in_split(sid, split, fraction):
                 yield sid, *(table.column(c)[i].values.to_numpy(zero_copy_only=False)

@@ -103,7 +103,7 @@ def pick_rows(loc: Location, shards: list[dict], n: int, seed: int) -> list[tupl
     (seeded) from each of ``n`` equal slices; all rows when the run has fewer."""
     rows = []
     for entry in shards:
-        lengths = loc.read_table(entry["path"], columns=["num_tokens"]).column("num_tokens").to_pylist()
+        lengths = loc.read_table(entry["path"], ["num_tokens"], entry["rows"]).column("num_tokens").to_pylist()
         rows += [(n_tok, entry["path"], i) for i, n_tok in enumerate(lengths)]
     rows.sort()
     if len(rows) <= n:

@@ -170,7 +170,7 @@ def hf_dataset(run: str | os.PathLike | Location, *, split: str = "all", heldout
     state_columns = set(manifest.header.columns) | set(topk_mod.COLUMNS)  # encoded cells
     tables = []
     for shard in manifest.shards:
-        table = loc.read_table(shard["path"])  # local: memory-mapped, unselected columns are never touched
+        table = loc.read_table(shard["path"], rows=shard["rows"])  # local: memory-mapped, unselected columns are never touched
         if columns is not None:
             cols = list(columns)
         else:

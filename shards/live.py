@@ -31,7 +31,7 @@ import logging
 import time
 from typing import Literal
 
-from shards.run import Location
+from shards.run import Location, plain_name
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +117,15 @@ def _names(loc: Location) -> list[str]:
 
 
 def _parse(name: str, body: dict) -> Ack:
+    """The Ack in file ``name``. Raises ValueError for shard names that are not plain file names in the run
+    (a crafted ack must not name a file elsewhere), KeyError/TypeError for a body of another shape."""
     if name.startswith(PREFIX):
-        return Ack(**{**body, "shards": tuple(body["shards"]), "sample_ids": tuple(body["sample_ids"])})
-    if name.startswith("online-consumed-"):  # {"rank", "time", "sample_ids"}
-        return Ack("online", int(body["rank"]), 0, float(body["time"]), sample_ids=tuple(body["sample_ids"]))
-    return Ack("tail", int(body["rank"]), int(body["world_size"]), float(body["time"]),  # consumed-<rank>.json
-               shards=tuple(body["done"]), epoch=int(body["epoch"]), position=int(body["position"]))
+        ack = Ack(**{**body, "shards": tuple(body["shards"]), "sample_ids": tuple(body["sample_ids"])})
+    elif name.startswith("online-consumed-"):  # {"rank", "time", "sample_ids"}
+        ack = Ack("online", int(body["rank"]), 0, float(body["time"]), sample_ids=tuple(body["sample_ids"]))
+    else:  # consumed-<rank>.json
+        ack = Ack("tail", int(body["rank"]), int(body["world_size"]), float(body["time"]),
+                  shards=tuple(body["done"]), epoch=int(body["epoch"]), position=int(body["position"]))
+    if not all(map(plain_name, ack.shards)):
+        raise ValueError(f"shard names {list(ack.shards)[:3]} are not plain file names inside the run")
+    return ack

@@ -32,7 +32,7 @@ import os
 
 from common.errors import CaptureError
 from shards.format import FormatError, RunHeader
-from shards.run import MANIFEST, Location, ManifestLog, as_location
+from shards.run import MANIFEST, Location, ManifestLog, as_location, plain_name
 from shards.writer import ShardInfo
 
 log = logging.getLogger(__name__)
@@ -126,14 +126,36 @@ def parse(data: bytes, path: str = MANIFEST) -> Manifest:
             except FormatError as e:
                 raise FormatError(f"{path}: line {i + 1}: {e}") from None
         elif kind == "shard":
-            shards.append(entry)
+            shards.append(_checked_shard(entry, f"{path}: line {i + 1}"))
         elif kind == "dataset":
             datasets.append(entry["dataset"])
         elif kind == "complete":
             completions.append(entry)
         elif kind == "removed":
+            if not isinstance(entry["paths"], list) or not all(map(plain_name, entry["paths"])):
+                raise CaptureError(f"{path}: line {i + 1}: removed paths {_short(entry['paths'])} are not plain file "
+                                   "names inside the run; the manifest is damaged or crafted")
             removals.append(entry)
     return Manifest(header, shards, completions, end, kind, datasets, removals)
+
+
+def _checked_shard(entry: dict, where: str) -> dict:
+    """``entry`` (a shard line) when its ``path`` is a plain file name in the run folder and its counts
+    agree (``rows`` = number of ``sample_ids`` = number of ``token_sha256``, non-negative integers);
+    else CaptureError naming ``where``. Runs get shared and downloaded: a line naming
+    ``../other-run/shard-….arrow`` must not make a reader open, or retention delete, a file elsewhere."""
+    if not plain_name(entry["path"]):
+        raise CaptureError(f"{where}: shard path {_short(entry['path'])} is not a plain file name inside the run; "
+                           "the manifest is damaged or crafted")
+    ids, hashes = entry["sample_ids"], entry["token_sha256"]
+    counts = [entry[k] for k in ("rows", "tokens", "loss_tokens", "bytes")]
+    if not (all(type(c) is int and c >= 0 for c in counts) and isinstance(ids, list) and isinstance(hashes, list)
+            and entry["rows"] == len(ids) == len(hashes)):
+        listed = {k: len(v) if isinstance(v, list) else _short(v) for k, v in (("sample ids", ids), ("token hashes", hashes))}
+        raise CaptureError(f"{where}: shard {entry['path']} records rows {_short(entry['rows'])}, "
+                           + ", ".join(f"{n} {k}" for k, n in listed.items())
+                           + " (counts must be non-negative integers that agree); the manifest is damaged or crafted")
+    return entry
 
 
 def check_dataset(manifest: Manifest, ref: dict) -> bool:

@@ -37,6 +37,6 @@ def iter_rows(run: str | os.PathLike | Location) -> Iterator[dict]:
     numpy arrays, states ``[T, H]`` tensors under their column names)."""
     loc = as_location(run)
     for shard in manifest_mod.read(loc).shards:
-        table = loc.read_table(shard["path"])
+        table = loc.read_table(shard["path"], rows=shard["rows"])
         for i in range(table.num_rows):
             yield read_row(table, i).to_dict()

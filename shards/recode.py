@@ -62,7 +62,7 @@ def recode(src: str | os.PathLike | Location, dst: str | os.PathLike | Location,
                 counts["bytes"] += info.bytes
 
         for entry in m.shards:
-            table = source.read_table(entry["path"])
+            table = source.read_table(entry["path"], rows=entry["rows"])
             rows = [read_row(table, i) for i in range(table.num_rows) if table["sample_id"][i].as_py() not in done]
             commit(out.write(rows))
             counts["rows"] += len(rows)

@@ -59,6 +59,13 @@ LOCK = ".capture.lock"  # held by the one process writing a run folder (capture 
 TMP_PREFIX = ".tmp-"
 
 
+def plain_name(name: object) -> bool:
+    """Whether ``name`` is a plain file name: a non-empty string, not ``.`` or ``..``, with no ``/``, ``\\``,
+    NUL or other control character (what every file of a run is called; see the layout above)."""
+    return (isinstance(name, str) and name not in ("", ".", "..")
+            and not any(c in "/\\" or ord(c) < 32 for c in name))
+
+
 @dataclasses.dataclass(frozen=True)
 class FileMismatch:
     """A file that is not what a record says: ``field`` is ``missing``, ``bytes`` or ``sha256``;
@@ -101,7 +108,13 @@ class Location:
     # ------------------------------------------------------------ names and whole files
 
     def join(self, name: str) -> str:
-        """Path of ``name`` (relative to the run folder) on the file system."""
+        """Path of ``name`` (relative to the run folder: plain names, ``/``-separated for a subfolder such as
+        ``manifest.d/``) on the file system. Raises CaptureError for any other name (``..``, an absolute
+        path, a backslash, an empty part): names come from manifests and acks, which runs that are shared
+        and downloaded may carry crafted, and nothing outside the run folder is ever opened or deleted."""
+        if not isinstance(name, str) or not all(map(plain_name, name.split("/"))):
+            raise CaptureError(f"{self.path}: {name!r} is not a file name inside the run folder; refused "
+                               "(a damaged or crafted manifest or ack)")
         return f"{self.path.rstrip('/')}/{name}"
 
     def names(self, sub: str = "") -> list[str]:
@@ -230,19 +243,25 @@ class Location:
         streamed to ``name``, visible on close)."""
         return ShardSink(self, name)
 
-    def read_table(self, name: str, columns: list[str] | None = None) -> pa.Table:
+    def read_table(self, name: str, columns: list[str] | None = None, rows: int | None = None) -> pa.Table:
         """The shard ``name`` as a table, or only ``columns`` (see :func:`shards.format.read_ipc`): local
-        shards are memory-mapped, others fetched whole. Raises FormatError for an unreadable shard, an
-        unknown format version or an unknown column."""
+        shards are memory-mapped, others fetched whole. ``rows``: the row count its manifest line records,
+        checked. Raises FormatError for an unreadable shard, an unknown format version or an unknown
+        column, or a row count other than ``rows``."""
         path = self.join(name)
         try:
             if self.local:
                 with pa.memory_map(path) as source:
-                    return read_ipc(source, path, columns)
-            with self.filesystem.open_input_file(path) as source:
-                return read_ipc(source, path, columns)
+                    table = read_ipc(source, path, columns)
+            else:
+                with self.filesystem.open_input_file(path) as source:
+                    table = read_ipc(source, path, columns)
         except (OSError, pa.ArrowInvalid) as e:
             raise FormatError(f"cannot read shard {path}: {e}; `capture shards verify` checks the whole run") from None
+        if rows is not None and table.num_rows != rows:
+            raise FormatError(f"shard {path} holds {table.num_rows} rows where the manifest records {rows}; the run "
+                              "is damaged (`capture shards verify` checks the whole run)")
+        return table
 
     def check_file(self, name: str, size: int, sha256: str) -> FileMismatch | None:
         """Recheck file ``name`` against its recorded size (bytes) and SHA-256 (hex), hashed streamed in

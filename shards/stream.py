@@ -274,13 +274,17 @@ class ShardStream(IterableDataset):
         epoch, start, _ = self._shared.tolist()  # read once: the main process may move on meanwhile
         self._next = start
         tables = _TableCache(self.location, self.open_shards)
-        for g, (path, row, _) in enumerate(self._entries(epoch)):
+        for g, (path, row, sid) in enumerate(self._entries(epoch)):
             if g % self.world_size != self.rank:
                 continue
             j = g // self.world_size
             if j < start or (j - start) % workers != wid:  # the DataLoader asks worker 0 first
                 continue
-            sample = self.sample(self._table(tables, path), row)
+            table = self._table(tables, path)
+            if row >= table.num_rows or table.column("sample_id")[row].as_py() != sid:
+                raise CaptureError(f"{self.location.path}: row {row} of {path} is not {sid}, as the manifest records; "
+                                   "the run is damaged (`capture shards verify` checks it)")
+            sample = self.sample(table, row)
             self._next = j + 1
             yield sample
 

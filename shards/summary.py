@@ -43,7 +43,7 @@ def stat(run: str | os.PathLike | Location) -> dict:
     topk_bytes = 0
     for shard in m.shards:
         t = loc.read_table(shard["path"], ["source", "num_tokens", "num_loss_tokens"]
-                           + (["finish_reasons"] if regenerated else []) + (list(topk_mod.COLUMNS) if h.topk else []))
+                           + (["finish_reasons"] if regenerated else []) + (list(topk_mod.COLUMNS) if h.topk else []), shard["rows"])
         if h.topk:
             topk_bytes += sum(int(pc.sum(pc.binary_length(t[c])).as_py() or 0) for c in topk_mod.COLUMNS)
         for src, n, k in zip(t["source"].to_pylist(), t["num_tokens"].to_pylist(), t["num_loss_tokens"].to_pylist()):
@@ -86,7 +86,7 @@ def head(run: str | os.PathLike | Location, n: int = 5) -> list[dict]:
     loc = as_location(run)
     out = []
     for shard in manifest_mod.read(loc).shards:
-        table = loc.read_table(shard["path"])
+        table = loc.read_table(shard["path"], rows=shard["rows"])
         for i in range(min(n - len(out), table.num_rows)):
             r = read_row(table, i)
             out.append({

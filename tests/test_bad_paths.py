@@ -148,3 +148,84 @@ def test_recode_refuses_a_foreign_folder_and_head_a_negative_count(good_run, tmp
     assert res.exit_code == 0 and verify(str(tmp_path / "new")).ok, res.output
     res = capture_inproc("shards", "head", str(run), "-n", "-1")
     assert res.exit_code == 2 and "-1 is not in the range x>=1" in res.output
+
+
+def _crafted(tmp_path, change, copy: bool = False) -> tuple:
+    """A run ``victim`` of 4 rows and a run ``crafted`` whose manifest is the victim's with its shard line
+    passed through ``change`` (and, ``copy``, the victim's shard file); returns both folders."""
+    import json
+
+    victim = tmp_path / "victim"
+    write_run(victim, [make_rows(0, 4)])
+    crafted = tmp_path / "crafted"
+    crafted.mkdir()
+    for shard in victim.glob("*.arrow") if copy else ():
+        shutil.copy(shard, crafted)
+    lines = [json.loads(x) for x in (victim / MANIFEST).read_text().splitlines()]
+    lines = [change(x) if x["kind"] == "shard" else x for x in lines]
+    (crafted / MANIFEST).write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return victim, crafted
+
+
+@pytest.mark.parametrize("path", ["../victim/{}", "/abs/{}", "sub/{}", "..", "a\\b"])
+def test_a_manifest_naming_a_file_outside_the_run_is_refused_in_one_line_by_every_reader(tmp_path, path):
+    from shards.reader import iter_rows
+    from shards.stream import ShardStream
+
+    victim, crafted = _crafted(tmp_path, lambda x: {**x, "path": path.format(x["path"])})
+    before = sorted(p.name for p in victim.iterdir())
+    wanted = "is not a plain file name inside the run; the manifest is damaged or crafted"
+    for cmd in (["verify"], ["ls"], ["stat"], ["head"], ["gc"], ["recode", str(tmp_path / "copy"), "--codec", "bf16"]):
+        r = capture_cli("shards", *cmd[:1], str(crafted), *cmd[1:])
+        assert r.returncode in (1, 2) and wanted in r.stderr + r.stdout, (cmd, r.stdout, r.stderr)
+        assert "Traceback" not in r.stderr, cmd
+    for read in (lambda: next(iter(ShardStream(crafted))), lambda: next(iter_rows(crafted)),
+                 lambda: manifest_mod.read(crafted)):
+        with pytest.raises(CaptureError, match=wanted):
+            read()
+    assert sorted(p.name for p in victim.iterdir()) == before  # nothing opened for writing, nothing deleted
+
+
+def test_removed_paths_and_ack_names_outside_the_run_are_refused(tmp_path):
+    import json
+
+    from shards import live
+
+    victim, _ = _crafted(tmp_path, lambda x: x)
+    with open(victim / MANIFEST, "a") as f:  # a retention record naming a file elsewhere
+        f.write(json.dumps({"kind": "removed", "paths": ["../other/shard-x.arrow"], "reason": "retain"}) + "\n")
+    with pytest.raises(CaptureError, match=r"line 4: removed paths .* are not plain file names inside the run"):
+        manifest_mod.read(victim)
+    shard = json.loads((victim / MANIFEST).read_text().splitlines()[1])["path"]
+    ack = {"kind": "tail", "rank": 0, "world_size": 1, "time": 1.0, "shards": [shard, "../other/shard-x.arrow"],
+           "sample_ids": [], "epoch": 0, "position": 4}
+    (victim / "ack-00000-0000000000000001.json").write_text(json.dumps(ack))
+    assert live.read(resolve(str(victim)), "tail") == []  # ignored with a warning, so retention removes nothing
+    ack["shards"] = [shard]
+    (victim / "ack-00000-0000000000000001.json").write_text(json.dumps(ack))
+    assert [a.shards for a in live.read(resolve(str(victim)), "tail")] == [(shard,)]
+
+
+def test_a_manifest_whose_counts_disagree_with_its_shard_is_one_line(tmp_path):
+    from shards.reader import iter_rows
+    from shards.stream import ShardStream
+
+    def five_rows(x):  # the line claims a fifth row the file does not hold
+        return {**x, "rows": 5, "sample_ids": x["sample_ids"] + ["t:99"], "token_sha256": x["token_sha256"] + ["0" * 64]}
+
+    _, crafted = _crafted(tmp_path, five_rows, copy=True)
+    stream = iter(ShardStream(crafted))
+    assert [next(stream)["sample_id"] for _ in range(4)] == manifest_mod.read(crafted).shards[0]["sample_ids"][:4]
+    with pytest.raises(CaptureError, match=r"row 4 of shard-\S+ is not t:99, as the manifest records; the run is damaged"):
+        next(stream)
+    with pytest.raises(CaptureError, match=r"holds 4 rows where the manifest records 5"):
+        list(iter_rows(crafted))
+    r = capture_cli("shards", "verify", str(crafted))
+    assert r.returncode == 1 and "4 rows != manifest 5" in r.stdout + r.stderr
+
+    _, crafted = _crafted(tmp_path / "b", lambda x: {**x, "rows": 7})
+    with pytest.raises(CaptureError, match=r"records rows 7, 4 sample ids, 4 token hashes \(counts must be"):
+        manifest_mod.read(crafted)
+    _, crafted = _crafted(tmp_path / "c", lambda x: {**x, "tokens": "many"})
+    r = capture_cli("shards", "stat", str(crafted))
+    assert r.returncode == 2 and "counts must be non-negative integers that agree" in r.stderr
