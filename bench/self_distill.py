@@ -31,7 +31,7 @@ from harness import REPO, capture_run, header, mean_range, pyplot, save_plot
 
 LAYERS = "1,8,15,22,29"
 COMMON = ["--target", "smollm2-135m", "--engine", "vllm", "--layers", LAYERS, "--max-tokens", "1024",
-          "--overlength", "truncate", "--topk", "32", "--no-progress", "--json"]
+          "--overlength", "truncate", "--topk", "32", "--special-text", "drop", "--no-progress", "--json"]
 REGEN = ["--responses", "regenerate", "--temperature", "0", "--max-new-tokens", "256"]
 TRAIN_ROWS = ["--dataset", "sharegpt", "--limit", "360"]
 HELD_ROWS = ["--dataset", "sharegpt", "--skip", "3000", "--limit", "120"]
