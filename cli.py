@@ -178,7 +178,8 @@ def targets(as_json: bool) -> None:
 @click.option("--alternation", type=_run_choice("alternation"), help="Rows breaking user/assistant alternation.")
 @click.option("--chat-template", type=click.Path(), help="Jinja chat template file overriding the tokenizer's.")
 @click.option("--system-prompt", help="System turn added to conversations that have none.")
-@click.option("--special-text", type=_run_choice("special_text"), help="Rows whose text contains special-token strings.")
+@click.option("--special-text", type=_run_choice("special_text"), help="Row text that spells a special token (a typed <|im_end|>): text (default) "
+              "tokenizes it as plain text, drop skips the row, keep makes it the control token.")
 @click.option("--chat-template-kwarg", "chat_template_kwargs", multiple=True,
               help="KEY=VALUE template variable, e.g. enable_thinking=false (JSON value, else a string; repeatable).")
 @click.option("--responses", type=_run_choice("responses", check=False),

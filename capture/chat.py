@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Literal, Sequence
 
 import numpy as np
@@ -37,7 +38,8 @@ from common.errors import CaptureError
 from common.hashing import text_sha256
 from common.records import Prompt, Tokenized
 
-SpecialTextPolicy = Literal["drop", "keep"]
+SpecialTextPolicy = Literal["text", "drop", "keep"]
+_MASK = 0xF0000  # Supplementary Private Use Area-A: code point _MASK + k stands in for special string k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +48,11 @@ class ChatEncoder:
 
     ``end_ids``: token ids that end an assistant turn (the tokenizer's EOS and the generation config's
     ``eos_token_id`` list). ``special_text``: what to do with a row whose content contains the text of a
-    special token (e.g. ``<|im_end|>``), which the tokenizer would turn into a real control token:
-    ``drop`` (default, counted as ``special_token_text``) or ``keep`` (tokenized as is).
+    special token (e.g. a user typing ``<|im_end|>``), which the tokenizer would turn into a real control
+    token: ``text`` (default: the row is kept and that text tokenized as plain text, as the tokenizer's
+    ``split_special_tokens`` does, so it forges no turn boundary; the template's own control tokens stay
+    tokens), ``drop`` (the row is skipped, counted as ``special_token_text``) or ``keep`` (tokenized as is:
+    control tokens in content, what a server does with raw text).
     ``template_kwargs``: extra template variables passed to every rendering (e.g. ``enable_thinking``,
     ``reasoning_effort``). ``boilerplate``: token ids that, opening an assistant turn, are template text
     the model never generates (GLM: ``<think></think>``); unsupervised.
@@ -57,7 +62,7 @@ class ChatEncoder:
     template: str
     end_ids: frozenset[int]
     system_prompt: str | None = None
-    special_text: SpecialTextPolicy = "drop"
+    special_text: SpecialTextPolicy = "text"
     template_kwargs: tuple[tuple[str, object], ...] = ()
     boilerplate: tuple[int, ...] = ()
 
@@ -76,11 +81,15 @@ class ChatEncoder:
             **dict(self.template_kwargs),
         )
 
-    def _messages(self, conv: Conversation) -> list[dict]:
+    def _messages(self, conv: Conversation, specials: tuple[str, ...] = ()) -> list[dict]:
+        """The template's messages of ``conv``; under the ``text`` policy every occurrence of a string of
+        ``specials`` in them (content, reasoning, tool calls) replaced by its mask (:meth:`_tokenize`)."""
         extras = conv.extras or ({},) * len(conv.messages)
         messages = [{"role": r, "content": c, **x} for (r, c), x in zip(conv.messages, extras)]
         if self.system_prompt is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.system_prompt})
+        if self.special_text == "text" and specials:
+            messages = _masked(messages, specials)
         return messages
 
     def encode(self, conv: Conversation, specials: tuple[str, ...] = ()) -> Tokenized | str:
@@ -91,9 +100,9 @@ class ChatEncoder:
         """
         if self._has_special_text(conv, specials):
             return "special_token_text"
-        messages = self._messages(conv)
+        messages = self._messages(conv, specials)
         text = self._render(messages, generation_prompt=False)
-        ids, _, boundary = self._tokenize(text)
+        ids, _, boundary = self._tokenize(text, specials)
         mask = np.zeros(len(ids), dtype=bool)
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
@@ -110,14 +119,14 @@ class ChatEncoder:
             mask[start : ends[-1] + 1] = True
         return Tokenized(conv.sample_id, conv.row_index, conv.source, np.asarray(ids, dtype=np.int32), mask)
 
-    def message_starts(self, conv: Conversation) -> list[tuple[str, int]]:
+    def message_starts(self, conv: Conversation, specials: tuple[str, ...] = ()) -> list[tuple[str, int]]:
         """``(role, first token)`` of every rendered message of ``conv`` (the system turn, given or
         ``system_prompt``, first), as indices into :meth:`encode`'s ``input_ids``: message i starts at the
         first token at or after the end of the rendering of ``messages[:i]``. For diagnoses (``capture
         audit``): a template that breaks the prefix property there gives the nearest token, not an error."""
-        messages = self._messages(conv)
+        messages = self._messages(conv, specials)
         text = self._render(messages, generation_prompt=False)
-        _, starts, _ = self._tokenize(text)
+        _, starts, _ = self._tokenize(text, specials)
         out = []
         for i, m in enumerate(messages):
             end = len(self._render(messages[:i], generation_prompt=False)) if i else 0
@@ -130,22 +139,55 @@ class ChatEncoder:
         return n if n and tuple(ids[start : start + n]) == self.boilerplate else 0
 
     def _has_special_text(self, conv: Conversation, specials: tuple[str, ...]) -> bool:
-        if self.special_text != "drop":
+        """Whether ``conv`` is skipped as ``special_token_text``: under ``drop``, any of its text (content,
+        reasoning, tool calls) holds a string of ``specials``; under ``text``, such text also holds
+        characters of the mask range (U+F0000 and up, :func:`_masked`); never under ``keep``."""
+        if self.special_text == "keep":
             return False
         texts = [content for _, content in conv.messages]
         texts += [x.get("reasoning_content", "") + json.dumps(x.get("tool_calls", []), ensure_ascii=False)
                   for x in conv.extras]
-        return any(s in t for t in texts for s in specials)
+        special = [t for t in texts if any(s in t for s in specials)]
+        if self.special_text == "drop":
+            return bool(special)
+        return any(ord(c) >= _MASK for t in special for c in t)
 
-    def _tokenize(self, text: str) -> tuple[list[int], list[int], dict[int, int]]:
+    def _tokenize(self, text: str, specials: tuple[str, ...] = ()) -> tuple[list[int], list[int], dict[int, int]]:
         """Token ids of ``text``, each token's first character, and the token index that starts at each
-        character offset (the end of the text counts as a boundary)."""
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = enc["input_ids"]
-        starts = [start for start, _ in enc["offset_mapping"]]
+        character offset (the end of the text counts as a boundary).
+
+        ``text`` may hold masks (``text`` policy, :func:`_masked`): special-token strings typed in the
+        content, each replaced by as many copies of its own private-use character. Then the text is cut at
+        the strings of ``specials`` that remain (the template's own control tokens, one token each) and
+        every piece between them is tokenized with its masks turned back into their strings and
+        ``split_special_tokens=True`` (plain text). Same-length masks keep every character offset, so the
+        boundaries of the masked renderings are the boundaries of these tokens. Without masks this is the
+        tokenizer's own call (the tokenizer cuts at control tokens the same way; tests/test_chat.py checks
+        the two agree on real rows)."""
+        if not any(ord(c) >= _MASK for c in text):
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids, starts = enc["input_ids"], [start for start, _ in enc["offset_mapping"]]
+        else:
+            ids, starts = self._tokenize_pieces(text, specials)
         boundary = {start: j for j, start in reversed(list(enumerate(starts)))}
         boundary[len(text)] = len(ids)
         return ids, starts, boundary
+
+    def _tokenize_pieces(self, text: str, specials: tuple[str, ...]) -> tuple[list[int], list[int]]:
+        """:meth:`_tokenize`'s ids and token starts of a masked ``text``."""
+        ids, starts, pos = [], [], 0
+        for piece in re.split("(" + "|".join(map(re.escape, specials)) + ")", text):
+            if piece in specials:
+                ids.append(self.tokenizer.convert_tokens_to_ids(piece))
+                starts.append(pos)
+            elif piece:
+                plain = _unmasked(piece, specials)
+                enc = self.tokenizer(plain, add_special_tokens=False, return_offsets_mapping=True,
+                                     split_special_tokens=True)
+                ids += enc["input_ids"]
+                starts += [pos + start for start, _ in enc["offset_mapping"]]
+            pos += len(piece)
+        return ids, starts
 
     def encode_prompt(self, conv: Conversation, policy: str = "last", specials: tuple[str, ...] = ()) -> Prompt | str:
         """The :class:`Prompt` segments for regenerating ``conv``'s assistant turns: ``policy="last"``
@@ -161,14 +203,14 @@ class ChatEncoder:
         """
         if self._has_special_text(conv, specials):
             return "special_token_text"
-        messages = self._messages(conv)
+        messages = self._messages(conv, specials)
         answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         turns = answers if policy == "every" else answers[-1:]
         if policy not in ("last", "every") or not turns:
             raise ValueError(f"encode_prompt: policy {policy!r} / {len(turns)} assistant turns")
         messages = messages[: turns[-1] + 1]
-        first = self._segments(conv, messages, turns, "Answer number {k}.")
-        second = self._segments(conv, messages, turns, "a different, longer placeholder reply {k}")
+        first = self._segments(conv, messages, turns, "Answer number {k}.", specials)
+        second = self._segments(conv, messages, turns, "a different, longer placeholder reply {k}", specials)
         if first[1] != second[1] or any(not np.array_equal(a, b) for a, b in zip(first[0], second[0])):
             raise CaptureError(
                 f"{conv.sample_id}: the chat template renders the text between turns differently depending on "
@@ -176,13 +218,13 @@ class ChatEncoder:
             )
         return Prompt(conv.sample_id, conv.row_index, conv.source, *first)
 
-    def _segments(self, conv: Conversation, messages: list[dict], turns: list[int],
-                  placeholder: str) -> tuple[tuple[np.ndarray, ...], tuple[int, ...]]:
+    def _segments(self, conv: Conversation, messages: list[dict], turns: list[int], placeholder: str,
+                  specials: tuple[str, ...] = ()) -> tuple[tuple[np.ndarray, ...], tuple[int, ...]]:
         """Segments and turn-end tokens of ``messages`` with the ``turns`` answered by placeholders."""
         texts = {t: placeholder.format(k=k) for k, t in enumerate(turns)}
         shown = [{"role": "assistant", "content": texts[i]} if i in texts else m for i, m in enumerate(messages)]
         text = self._render(shown, generation_prompt=False)
-        ids, starts, boundary = self._tokenize(text)
+        ids, starts, boundary = self._tokenize(text, specials)
         begins = [self._boundary(text, boundary, self._render(shown[:t], generation_prompt=True), conv, t)
                   for t in turns]
         segments, ends, pos = [], [], 0
@@ -223,7 +265,7 @@ def load_encoder(
     *,
     chat_template_file: str | None = None,
     system_prompt: str | None = None,
-    special_text: SpecialTextPolicy = "drop",
+    special_text: SpecialTextPolicy = "text",
     template_kwargs: tuple[tuple[str, object], ...] = (),
 ) -> ChatEncoder:
     """Tokenizer and chat template of the model folder; ``chat_template_file`` overrides the template;
@@ -277,3 +319,29 @@ def template_boilerplate(tokenizer, template: str) -> tuple[int, ...]:
 def tokenizer_sha256(tokenizer) -> str:
     """SHA-256 of the fast tokenizer's serialized JSON (vocabulary, merges, normalizer, added tokens)."""
     return text_sha256(tokenizer.backend_tokenizer.to_str())
+
+
+def _masked(value, specials: tuple[str, ...]):
+    """``value`` (a message list, dict, string) with every string of ``specials`` in its strings replaced by
+    its mask: ``len(s)`` copies of ``chr(_MASK + k)`` for ``specials[k]``, so that rendering keeps every
+    character offset (text that already holds mask characters is skipped before, see
+    :meth:`ChatEncoder._has_special_text`)."""
+    if isinstance(value, str):
+        for k, s in enumerate(specials):
+            value = value.replace(s, chr(_MASK + k) * len(s))
+        return value
+    if isinstance(value, dict):
+        return {key: _masked(v, specials) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_masked(v, specials) for v in value)
+    return value
+
+
+def _unmasked(text: str, specials: tuple[str, ...]) -> str:
+    """``text`` with every mask turned back into its special string (a run of ``n * len(s)`` copies of s's
+    character is n copies of s)."""
+    def restore(m: re.Match) -> str:
+        s = specials[ord(m[1]) - _MASK]
+        return s * (len(m[0]) // len(s))
+
+    return re.sub(f"([{chr(_MASK)}-{chr(_MASK + len(specials) - 1)}])\\1*", restore, text)

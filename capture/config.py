@@ -73,7 +73,7 @@ class RunConfig:
     alternation: Alternation = "normalize"
     chat_template: str | None = None  # file path overriding the tokenizer's template
     system_prompt: str | None = None
-    special_text: SpecialTextPolicy = "drop"
+    special_text: SpecialTextPolicy = "text"
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()  # template variables, e.g. (("enable_thinking", False),)
     responses: Responses = "dataset"  # regenerate: the target writes the answers
     regenerate_policy: RegeneratePolicy = "last"  # which assistant turns are regenerated

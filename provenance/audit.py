@@ -273,11 +273,15 @@ def _diagnose(pending: list[tuple[Diagnosis, np.ndarray]], ref, encoder: ChatEnc
             wanted[d.nearest_row].append((d, ids))
     if not wanted:
         return
+    specials = encoder.special_strings()
     for conv in iter_conversations(ref, ReadStats(), alternation=alternation, source_column=source_column):
         if conv.row_index not in wanted:
             continue
-        ref_ids = encoder.encode(conv).input_ids
-        starts = encoder.message_starts(conv)
+        rec = encoder.encode(conv, specials)
+        if isinstance(rec, str):  # skipped by the run's special-text policy: nothing to compare with
+            continue
+        ref_ids = rec.input_ids
+        starts = encoder.message_starts(conv, specials)
         for d, ids in wanted.pop(conv.row_index):
             n = min(len(ids), len(ref_ids))
             diff = np.flatnonzero(ids[:n] != ref_ids[:n])

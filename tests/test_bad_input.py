@@ -6,6 +6,7 @@ import pytest
 
 from conftest import capture_cli, capture_inproc, capture_process
 from shards import manifest
+from shards.reader import iter_rows
 
 SMALL = ["--max-tokens", "200", "--overlength", "truncate", "--no-progress"]
 
@@ -41,12 +42,14 @@ def test_bad_rows_are_counted_and_good_rows_kept(tmp_path, bad_jsonl):
     s = json.loads(proc.stdout)
     assert s["rows_read"] == len(ROWS)
     assert s["skipped"] == {
-        "empty_conversation": 1, "unknown_role": 1, "non_string_content": 2, "special_token_text": 1,
+        "empty_conversation": 1, "unknown_role": 1, "non_string_content": 2,
         "no_assistant_turn": 1, "no_conversation_column": 1, "invalid_json": 1,
     }
     assert s["normalized"] == {"leading_assistant_removed": 1, "same_role_merged": 1}
     ids = [i for sh in manifest.read(out).shards for i in sh["sample_ids"]]
-    assert sorted(ids) == ["bad.jsonl:0", "bad.jsonl:5", "bad.jsonl:7", "bad.jsonl:8"]
+    assert sorted(ids) == ["bad.jsonl:0", "bad.jsonl:5", "bad.jsonl:6", "bad.jsonl:7", "bad.jsonl:8"]
+    typed = next(r for r in iter_rows(out) if r["sample_id"] == "bad.jsonl:6")  # --special-text text, the default
+    assert int((typed["input_ids"] == 2).sum()) == 3  # <|im_end|>: system, user, assistant; the typed one is text
     assert capture_cli("shards", "verify", str(out)).returncode == 0
 
 
@@ -142,7 +145,7 @@ def test_second_writer_on_the_same_run_is_refused(tmp_path):
         ("layers: [3.7, 15]", "--layers must be comma-separated integers"),
         ('dedup: "no"', "dedup: 'no' is not true or false"),
         ("shard_size: -5", "shard-size: -5 is not an integer >= 1"),
-        ("special_text: bogus", "special-text: 'bogus' is not one of drop, keep"),
+        ("special_text: bogus", "special-text: 'bogus' is not one of text, drop, keep"),
         ("executor: threads", "executor: 'threads' is not one of auto, ray, local"),
         ("executor: local\nreplicas: 2", "--replicas 2 needs --executor ray (--executor local runs one replica)"),
         ("executor: local\nunit_timeout: 60", "--unit-timeout 60 needs --executor ray"),
