@@ -369,6 +369,9 @@ def shards_verify(run_dir, as_json) -> None:
         if r["removed_shards"]:
             click.echo(f"note: {r['removed_shards']} shard(s), {r['removed_rows']} rows removed after every reader "
                        "consumed them (--retain): not checked")
+        if r["lost_shards"]:
+            click.echo(f"note: {r['lost_shards']} shard(s), {r['lost_rows']} rows given up by `capture shards repair`: "
+                       "not committed (a rerun of the capture captures them again)")
         if not r["rows"] and not r["removed_rows"] and not r["problems"]:
             click.echo("note: the run holds no rows (its completion record says why: `capture shards stat`)")
         state = "complete" if r["complete"] else "incomplete (no completion record yet)"
@@ -411,6 +414,27 @@ def shards_recode(src, dst, codec, shard_size, threads) -> None:
     c = recode(src, dst, codec, shard_size=parse_size(shard_size), threads=threads)
     click.echo(f"{dst}: recoded {c['rows']} rows into {c['shards']} shard(s), {c['bytes'] / 2**20:,.1f} MiB "
                f"({c['already']} already there)")
+
+
+@shards.command("repair")
+@click.argument("run_dir", type=RUN_DIR)
+@click.option("--dry-run", is_flag=True, help="List the damaged or missing shards; change nothing.")
+def shards_repair(run_dir, dry_run) -> None:
+    """Give up committed shards that are damaged or missing (as verify finds them): a `lost` manifest line
+    records them and why, their files are deleted, and rerunning the same `capture run` captures exactly
+    their rows again. Refused while a capture writes to RUN_DIR."""
+    from shards.repair import repair
+
+    r = repair(run_dir, dry_run)
+    for name, why in r.lost.items():
+        click.echo(f"{'damaged' if dry_run else 'given up'}: {name}: {why}")
+    if not r.lost:
+        click.echo(f"nothing to repair: all {r.checked} committed shard(s) verify")
+    elif dry_run:
+        click.echo(f"{len(r.lost)} of {r.checked} shard(s), {r.rows} row(s) would be given up (--dry-run: nothing changed)")
+    else:
+        click.echo(f"{len(r.lost)} of {r.checked} shard(s) given up; rerun the same `capture run` to capture "
+                   f"their {r.rows} row(s) again")
 
 
 @shards.command("gc")

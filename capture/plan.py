@@ -175,7 +175,8 @@ def check_out(cfg: RunConfig, prep: Prepared) -> tuple[Location, manifest_mod.Ma
     damaged = [e["path"] for e in existing.shards if loc.size(e["path"]) != e["bytes"]]
     if damaged:
         raise CaptureError(f"{cfg.out}: {len(damaged)} committed shard(s) are missing or of another size "
-                           f"({damaged[0]}); `capture shards verify {cfg.out}` lists them: restore them first")
+                           f"({damaged[0]}); `capture shards verify {cfg.out}` lists them: restore them, or give "
+                           f"them up with `capture shards repair {cfg.out}` and rerun to capture their rows again")
     return loc, existing, prep
 
 

@@ -8,7 +8,9 @@ run appends more shard lines and another completion record. A run captured with 
 with bounded disk, :mod:`shards.retain`) appends ``{"kind": "removed", "paths": [...], "reason": ...}``
 before it deletes shards every reader has consumed: those rows stay committed (a resume does not redo
 them; they count in the run's rows), but their files are gone and no reader, ``verify`` or ``audit``
-looks for them. A line torn by a crash (no trailing newline)
+looks for them. ``capture shards repair`` (:mod:`shards.repair`) appends ``{"kind": "lost", "paths": [...],
+"reasons": [...]}`` for committed shards found damaged or missing: their lines stay (the history) but
+they no longer count at all, so the same ``capture run`` captures their rows again. A line torn by a crash (no trailing newline)
 is not committed: readers ignore it and the next writer cuts it off before appending.
 
 Outside a local folder (an object store, see :mod:`shards.run`) nothing can be appended, and rewriting one
@@ -43,6 +45,7 @@ REQUIRED = {  # keys each kind of line must have
     "dataset": ("dataset",),
     "complete": (),
     "removed": ("paths", "reason"),
+    "lost": ("paths", "reasons"),
 }
 
 
@@ -54,7 +57,9 @@ class Manifest:
     reads); ``removed``: the committed shards deleted after their readers consumed them (``--retain``),
     path → shard line; ``all_shards``: both, in commit order (what a tail-mode reader's order is made of).
     ``rows``, ``tokens``, :meth:`sample_ids` and :meth:`token_hashes` count every committed shard, removed
-    ones too: their rows were captured once and a resume must not capture them again.
+    ones too: their rows were captured once and a resume must not capture them again. ``lost``: shards
+    given up by ``capture shards repair`` (path → shard line, with ``lost_reason``), in none of the above:
+    their rows are for a resume to capture again.
     """
 
     header: RunHeader | None
@@ -64,6 +69,7 @@ class Manifest:
     last_kind: str | None = None
     datasets: list[dict] = dataclasses.field(default_factory=list)  # every dataset the run has read
     removals: list[dict] = dataclasses.field(default_factory=list)  # the "removed" lines, in order
+    lost: dict[str, dict] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def removed(self) -> dict[str, dict]:
@@ -109,7 +115,7 @@ def parse(data: bytes, path: str = MANIFEST) -> Manifest:
     """Parse the bytes of a manifest (read from any file system); ``path`` names it in errors.
     Raises CaptureError as :func:`read` does."""
     end = data.rfind(b"\n") + 1  # everything after the last newline is a torn, uncommitted line
-    header, shards, completions, datasets, removals = None, [], [], [], []
+    header, shards, completions, datasets, removals, lost = None, [], [], [], [], {}
     kind = None
     for i, line in enumerate(data[:end].splitlines()):
         try:
@@ -136,7 +142,15 @@ def parse(data: bytes, path: str = MANIFEST) -> Manifest:
                 raise CaptureError(f"{path}: line {i + 1}: removed paths {_short(entry['paths'])} are not plain file "
                                    "names inside the run; the manifest is damaged or crafted")
             removals.append(entry)
-    return Manifest(header, shards, completions, end, kind, datasets, removals)
+        elif kind == "lost":
+            if not (isinstance(entry["paths"], list) and all(map(plain_name, entry["paths"]))
+                    and isinstance(entry["reasons"], list) and len(entry["reasons"]) == len(entry["paths"])):
+                raise CaptureError(f"{path}: line {i + 1}: lost paths {_short(entry['paths'])} are not plain file names "
+                                   "inside the run, one reason each; the manifest is damaged or crafted")
+            lines = {s["path"]: s for s in shards}
+            lost.update({p: {**lines[p], "lost_reason": r} for p, r in zip(entry["paths"], entry["reasons"]) if p in lines})
+            shards = [s for s in shards if s["path"] not in lost]
+    return Manifest(header, shards, completions, end, kind, datasets, removals, lost)
 
 
 def _checked_shard(entry: dict, where: str) -> dict:
@@ -216,6 +230,11 @@ class ManifestWriter:
     def complete(self, record: dict) -> None:
         self.log.append({"kind": "complete", **record})
 
+    def lost(self, paths: list[str], reasons: list[str]) -> None:
+        """Record that the committed shards ``paths`` are damaged or missing (``reasons``, one each) and given
+        up: their rows no longer count as committed (before their files are deleted, as :meth:`removed`)."""
+        self.log.append({"kind": "lost", "paths": list(paths), "reasons": list(reasons)})
+
     def removed(self, paths: list[str], reason: str) -> None:
         """Record that the shards ``paths`` are about to be deleted and why (before deleting them: a crash
         in between leaves files no live line names, which ``gc`` removes, never a line naming a missing file)."""
@@ -232,7 +251,8 @@ def holds_nothing(loc: Location, manifest: Manifest) -> bool:
     and no reader's ack (e.g. a run whose engine failed to start after its header was written)."""
     from shards import live  # live imports run, as this module does; lazy keeps the import light
 
-    return not (manifest.all_shards or manifest.removals or manifest.completions or live.any_acks(loc))
+    return not (manifest.all_shards or manifest.removals or manifest.lost or manifest.completions
+                or live.any_acks(loc))
 
 
 def reset(loc: Location) -> None:

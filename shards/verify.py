@@ -41,6 +41,8 @@ class Report:
     complete: bool = False
     removed_shards: int = 0  # committed shards deleted after their readers consumed them (--retain): not checked
     removed_rows: int = 0
+    lost_shards: int = 0  # shards given up by `capture shards repair` (not committed any more): not checked
+    lost_rows: int = 0
 
     @property
     def ok(self) -> bool:
@@ -66,9 +68,10 @@ def verify(run_dir: str | os.PathLike | Location) -> Report:
         report.removed_shards += 1
         report.removed_rows += entry["rows"]
         seen.update(entry["sample_ids"])
+    report.lost_shards, report.lost_rows = len(m.lost), sum(s["rows"] for s in m.lost.values())
     for entry in m.shards:
         report.shards += 1
-        problems = _verify_shard(loc, entry, m.header)
+        problems = check_shard(loc, entry, m.header)
         report.problems += [f"{entry['path']}: {p}" for p in problems]
         dups = seen.intersection(entry["sample_ids"])
         if dups:
@@ -93,7 +96,7 @@ def _check_finish_reasons(reasons: list, header: RunHeader, ids: list[str]) -> l
     return [f"finish_reasons not {want} in {len(bad)} row(s), e.g. {ids[bad[0]]}"] if bad else []
 
 
-def _verify_shard(loc: Location, entry: dict, header: RunHeader) -> list[str]:
+def check_shard(loc: Location, entry: dict, header: RunHeader) -> list[str]:
     bad = loc.check_file(entry["path"], entry["bytes"], entry["sha256"])
     if bad is not None:
         if bad.field == "missing":

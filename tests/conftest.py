@@ -373,10 +373,13 @@ def reader_run(tmp_path_factory, smol_dir) -> Path:
     """A real run for the reader tests: the first 60 ShareGPT rows (~40 kept) through SmolLM2 (taps 3/15/27, post-norm final,
     argmax), truncated to 256 tokens, in several small shards (~20 s on 2 cores)."""
     out = tmp_path_factory.mktemp("reader") / "run"
-    capture_cli("run", "--target", "smollm2-135m", "--dataset", "sharegpt", "--layers", "3,15,27", "--final",
-                "post-norm", "--limit", "60", "--max-tokens", "256", "--overlength", "truncate", "--unit-tokens",
-                "2048", "--shard-size", "2MiB", "--out", str(out), "--no-progress", check=True)
+    capture_cli("run", *READER_RUN, "--out", str(out), check=True)
     return out
+
+
+READER_RUN = ("--target", "smollm2-135m", "--dataset", "sharegpt", "--layers", "3,15,27", "--final", "post-norm",
+              "--limit", "60", "--max-tokens", "256", "--overlength", "truncate", "--unit-tokens", "2048",
+              "--shard-size", "2MiB", "--no-progress")  # reader_run's `capture run` arguments, less --out
 
 
 @pytest.fixture(scope="session")
