@@ -121,7 +121,8 @@ def save_state(out: str | os.PathLike, step: int, model: Drafter, optimizer: tor
         os.replace(root / f".{LATEST}.tmp", root / LATEST)
     except Exception as e:  # noqa: BLE001 - OSError, and what torch / safetensors raise on a full disk
         shutil.rmtree(tmp, ignore_errors=True)
-        kept = f"the last good one is {before}" if before else "no earlier checkpoint"
+        kept = (f"the last good one is {before}: free space and rerun the same command to resume from it" if before
+                else "no earlier checkpoint")
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
         raise CaptureError(f"cannot write the checkpoint of step {step} in {root} ({why}); {kept}") from None
     for old in root.glob("step-*"):

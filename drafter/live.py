@@ -234,7 +234,12 @@ def _train(cfg: TrainConfig, out: Path, src: Source, begin: float) -> dict:
         checkpoint.save_state(out, step, model, opt, [torch.get_rng_state()],
                               {"streams": [position] if position else [], "world_size": 1, "logs": logs.lengths(),
                                "config": dataclasses.asdict(cfg)}, extra)
-        src.ack(unacked, position)  # after the checkpoint that covers them: a restarted capture skips them
+        try:
+            src.ack(unacked, position)  # after the checkpoint that covers them: a restarted capture skips them
+        except OSError as e:  # the run's disk (tail acks) or the capture's queue: the checkpoint stands
+            raise CaptureError(f"the checkpoint of step {step} is saved but its ack to {src.name} could not be "
+                               f"written ({e.strerror or e}); rerun the same command: it resumes from that "
+                               "checkpoint and acks again") from None
 
     pending, unacked, first_step, taken = [], [], None, 0
     bar = tqdm(total=cfg.steps, initial=step, desc=f"train seed {cfg.seed} (live)", unit="step",

@@ -43,16 +43,20 @@ extra keys neither reads would only cost disk, so ``export.json`` records ``topk
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Sequence
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 from tqdm import tqdm
 
 from common.errors import CaptureError
+from shards import manifest as manifest_mod
 from shards.format import FINAL, tap_column, tap_layer
 from shards.run import Location, as_location
 from shards.stream import ShardStream
@@ -121,30 +125,41 @@ def export(run: str | os.PathLike | Location, out: str | os.PathLike, fmt: str, 
     final_slot = None if final_tap is None else wanted.index(final_tap)
     write = _specforge if fmt == "specforge" else _speculators
     ids, tokens, rows = [], 0, []
-    for i, sample in enumerate(tqdm(stream, total=len(stream), disable=not progress, unit="sample")):
-        aux_states = sample["taps"][:, aux_slots]  # [T, L, H]
-        final = sample["final"] if final_slot is None else sample["taps"][:, final_slot]  # [T, H]
-        rows.append(write(out, i, sample, aux_states, final))
-        ids.append(sample["sample_id"])
-        tokens += len(sample["input_ids"])
-    if fmt == "speculators":
-        _save_dataset(out, rows, progress)
-    record = {
-        "format": fmt, "run": str(run), "split": split, "heldout_fraction": heldout_fraction,
-        "samples": len(ids), "tokens": tokens, "sample_ids": ids, "dtype": head.dtype,
-        "hidden_size": head.hidden_size, "num_layers": num_layers,
-        "taps": [{"slot": i, "tap": k, "decoder_layer": k, "hf_hidden_states_index": k + 1,
-                  "vllm_aux_layer_id": k + 1, "sglang_layer_id": k} for i, k in enumerate(aux)],
-        "final": {"kind": "pre-norm" if fmt == "speculators" else "post-norm", "from": final_from},
-        "convention": _convention(fmt, len(aux)),
-        "trainers": _trainers(fmt, aux, num_layers),
-        "warnings": warnings,
-    }
-    if head.topk:
-        record["topk"] = {"stored": head.topk, "exported": False,
-                          "why": f"{fmt}'s offline format has no place for top-K teacher log-probabilities; read "
-                                 "topk_ids / topk_logprobs from the run with shards.stream.ShardStream"}
-    (out / "export.json").write_text(json.dumps(record, indent=1) + "\n")
+    try:
+        for i, sample in enumerate(tqdm(stream, total=len(stream), disable=not progress, unit="sample")):
+            aux_states = sample["taps"][:, aux_slots]  # [T, L, H]
+            final = sample["final"] if final_slot is None else sample["taps"][:, final_slot]  # [T, H]
+            rows.append(write(out, i, sample, aux_states, final))
+            ids.append(sample["sample_id"])
+            tokens += len(sample["input_ids"])
+        if fmt == "speculators":
+            _save_dataset(out, rows, progress)
+        record = {
+            "format": fmt, "run": str(run), "split": split, "heldout_fraction": heldout_fraction,
+            "samples": len(ids), "tokens": tokens, "sample_ids": ids, "dtype": head.dtype,
+            "hidden_size": head.hidden_size, "num_layers": num_layers,
+            "taps": [{"slot": i, "tap": k, "decoder_layer": k, "hf_hidden_states_index": k + 1,
+                      "vllm_aux_layer_id": k + 1, "sglang_layer_id": k} for i, k in enumerate(aux)],
+            "final": {"kind": "pre-norm" if fmt == "speculators" else "post-norm", "from": final_from},
+            "convention": _convention(fmt, len(aux)),
+            "trainers": _trainers(fmt, aux, num_layers),
+            "warnings": warnings,
+        }
+        if head.topk:
+            record["topk"] = {"stored": head.topk, "exported": False,
+                              "why": f"{fmt}'s offline format has no place for top-K teacher log-probabilities; read "
+                                     "topk_ids / topk_logprobs from the run with shards.stream.ShardStream"}
+        (out / "export.json").write_text(json.dumps(record, indent=1) + "\n")
+    except OSError as e:  # the per-sample files are written by Python's own writes (_write_file): ENOSPC
+        if e.errno != errno.ENOSPC:
+            raise
+        shutil.rmtree(out, ignore_errors=True)  # a folder this call made (or found empty): only its own files
+        need = manifest_mod.read(loc).tokens * (len(aux) + 1) * head.hidden_size * torch.finfo(
+            getattr(torch, head.dtype)).bits // 8
+        raise CaptureError(f"the disk at {out} is full ({e.strerror}) after {len(ids)} of {len(stream)} samples: the "
+                           f"partial export was removed; it needs about {_size(need)} (the run's tokens x "
+                           f"{len(aux) + 1} states x {head.hidden_size} x {head.dtype}); free that much and rerun, "
+                           "or read the run in place (docs/reading.md)") from None
     return {"format": fmt, "samples": len(ids), "tokens": tokens, "out": str(out), "warnings": warnings,
             "trainers": record["trainers"]}
 
@@ -213,8 +228,8 @@ def _speculators(out: Path, i: int, sample: dict, aux: torch.Tensor, final: torc
     folder = out / "hidden_states"
     folder.mkdir(exist_ok=True)
     states = torch.cat([aux, final[:, None]], dim=1)  # [T, L+1, H]
-    save_file({"token_ids": sample["input_ids"], "hidden_states": states.contiguous()},
-              str(folder / f"hs_{i}.safetensors"))
+    _write_file(folder / f"hs_{i}.safetensors",
+                save({"token_ids": sample["input_ids"], "hidden_states": states.contiguous()}))
     return {"input_ids": sample["input_ids"].tolist(), "loss_mask": sample["loss_mask"].tolist(),
             "seq_len": len(sample["input_ids"]), "sample_id": sample["sample_id"]}
 
@@ -231,5 +246,19 @@ def _specforge(out: Path, i: int, sample: dict, aux: torch.Tensor, final: torch.
         "hidden_states": flat[0],  # [T, L*H], same storage: torch.save writes it once
         "hidden_state": final[None].contiguous(),  # [1, T, H]
     }
-    torch.save(record, folder / f"data_{i}.ckpt")
+    buffer = io.BytesIO()
+    torch.save(record, buffer)
+    _write_file(folder / f"data_{i}.ckpt", buffer.getbuffer())
     return {}
+
+
+def _write_file(path: Path, data) -> None:
+    """Write ``data`` (bytes) to ``path`` with Python's own file writes, so that a full disk is an OSError
+    (ENOSPC); safetensors' and torch's writers report it as other errors (a torch ``RuntimeError`` that names
+    a stream position)."""
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.0f} MiB"

@@ -13,6 +13,7 @@ folder and ``capture provenance verify`` checks the weights as for SRC.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -61,12 +62,21 @@ def recode(src: str | os.PathLike | Location, dst: str | os.PathLike | Location,
                 counts["shards"] += 1
                 counts["bytes"] += info.bytes
 
-        for entry in m.shards:
-            table = source.read_table(entry["path"], rows=entry["rows"])
-            rows = [read_row(table, i) for i in range(table.num_rows) if table["sample_id"][i].as_py() not in done]
-            commit(out.write(rows))
-            counts["rows"] += len(rows)
-        commit(out.close())
+        try:
+            for entry in m.shards:
+                table = source.read_table(entry["path"], rows=entry["rows"])
+                rows = [read_row(table, i) for i in range(table.num_rows) if table["sample_id"][i].as_py() not in done]
+                commit(out.write(rows))
+                counts["rows"] += len(rows)
+            commit(out.close())
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            out.abort()  # its open shard was never committed
+            written = sum(s["rows"] for s in manifest_mod.read(target).all_shards)
+            raise CaptureError(f"the disk at {dst} is full ({e.strerror}): stopped cleanly, {written} of {m.rows} rows "
+                               "recoded and committed, nothing half-written; free space and rerun the same command "
+                               "to recode the rest") from None
         last = {k: v for k, v in (m.completions[-1] if m.completions else {}).items() if k != "kind"}
         writer.complete(last | {"recoded_from": str(source.absolute()), "codec": codec})
         _copy_provenance(source, target, codec)
