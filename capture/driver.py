@@ -71,14 +71,16 @@ def run(cfg: RunConfig, delivery: sinks.Delivery | None = None) -> Summary:
 def _capture(session: RunSession, sink, ex: executor_mod.Executor, progress: Progress) -> Summary:
     """Feed the work units to the replicas until the dataset ends or the disk cannot hold the next unit;
     then :meth:`RunSession.finish`."""
+    from capture import identity
     from capture.replica import Replica
 
     cfg, prep, summary, timings = session.cfg, session.prep, session.summary, session.timings
     ready = time.time()
+    model = identity.of(prep.model_dir, prep.header.target.get("source"))  # every replica must find the same
     make_actor = ex.actors(Replica, prep.model_dir, prep.taps, prep.header, session.loc.absolute(),
                            shard_size=cfg.shard_size, batch_tokens=cfg.batch_tokens, threads=ex.cpus,
                            commit_seconds=cfg.commit_every, codec_threads=cfg.codec_threads, engine=prep.engine,
-                           filters=cfg.filters, feed=progress.feed, output=sink.output)
+                           filters=cfg.filters, feed=progress.feed, output=sink.output, model=model)
     per_token = bytes_per_token(prep.header)
     rejected: collections.Counter = collections.Counter()
     prefilled = [0]  # rows through the engine (committed once their shard closes)

@@ -40,6 +40,7 @@ import torch
 from common.records import Prompt, Tokenized
 from capture.engines import EngineSpec, load_engine
 from capture.engines.base import Captured
+from capture.identity import ModelIdentity, check as check_model
 from capture.regenerate import regenerate, sampling_of
 from capture.sinks import Output
 from capture.targets import Taps
@@ -114,9 +115,11 @@ class Replica:
     def __init__(self, model_dir: str, taps: Taps, header: RunHeader, out: Location | str, *, shard_size: int,
                  batch_tokens: int, threads: int | None = None, codec_threads: int = 2,
                  engine: EngineSpec = EngineSpec("hf"), filters: FilterConfig | None = None, feed=None,
-                 commit_seconds: float = float("inf"), output: Output = Output()):
+                 commit_seconds: float = float("inf"), output: Output = Output(), model: ModelIdentity | None = None):
         self._load = lambda: load_engine(engine, model_dir, taps, argmax=header.argmax, dtype=header.dtype,
                                          threads=threads, topk=header.topk)
+        # the driver's fingerprint of the model folder and code (capture.identity), checked before loading
+        self._check = (lambda: check_model(model_dir, model, header.target.get("source"))) if model else None
         self.engine = None  # loaded by start(): a Ray actor's constructor error loses its exception type
         self.hidden_size = header.hidden_size
         self.topk = header.topk
@@ -139,8 +142,11 @@ class Replica:
         self._start_writer()
 
     def start(self) -> str:
-        """Load the engine (minutes for a large target); raises what the engine raises, e.g. CaptureError
-        for engine arguments vLLM refuses. Returns the engine's name."""
+        """Check this host's model folder and code against the driver's (:mod:`capture.identity`), then load
+        the engine (minutes for a large target); raises CaptureError for a mismatch, and what the engine
+        raises, e.g. CaptureError for engine arguments vLLM refuses. Returns the engine's name."""
+        if self._check is not None:
+            self._check()
         self.engine = self._load()
         return self.engine.name
 
