@@ -287,10 +287,15 @@ def _print_summary(s: dict) -> None:
             click.echo(f"{title}: " + ", ".join(f"{k}={v}" for k, v in sorted(s[title].items())))
     if s["truncated_input"]:
         click.echo(f"input: {s['truncated_input']}")
-    if len(s["replicas"]) > 1 or any(r["restarts"] for r in s["replicas"]):
+    if len(s["replicas"]) > 1 or any(r["restarts"] or r["dropped"] for r in s["replicas"]):
         _table([{"replica": r["replica"], "units": r["units"], "rows": r["rows"], "tokens": r["tokens"],
-                 "busy s": round(r["busy_seconds"], 1), "restarts": r["restarts"],
-                 "failures": "; ".join(f"{k} x{v}" for k, v in r["failures"].items())} for r in s["replicas"]])
+                 "busy s": round(r["busy_seconds"], 1), "restarts": r["restarts"], "units redone": r["units_redone"],
+                 "failures": "; ".join(f"{k} x{v}" for k, v in r["failures"].items())
+                 + (f"; dropped: {r['dropped']}" if r["dropped"] else "")} for r in s["replicas"]])
+    lost = sorted({n for r in s["replicas"] for n in r["lost_nodes"]})
+    if lost:
+        click.echo(f"lost node(s): {', '.join(lost)}; replicas {[r['replica'] for r in s['replicas'] if r['lost_nodes']]} "
+                   f"were on them, {sum(r['units_redone'] for r in s['replicas'])} unit(s) redone")
     if s["self_check"]:
         c = s["self_check"]
         click.echo(f"self-check of {c['rows']} rows against a {c['dtype']} HF forward: {'OK' if c['ok'] else 'FAILED'}; "

@@ -94,11 +94,21 @@ def start(cfg: RunConfig, engine: EngineSpec, progress: Progress, needs_ray: boo
         ray.init(address=cfg.ray_address or "local", num_cpus=None if cfg.ray_address else os.cpu_count(),
                  include_dashboard=False, logging_level=logging.ERROR, log_to_driver=True)
     try:
-        progress.feed = feed()
+        progress.feed = feed(on_driver_node())  # a lost worker node does not take it along
         resources = ray.cluster_resources()
-        yield Executor("ray", RayCalls(), _cpus(cfg, int(resources.get("CPU", 0)), "Ray has"),
-                       replica_gpus(engine, cfg.tp, resources.get("GPU", 0)))
+        cpus, gpus = _cpus(cfg, int(resources.get("CPU", 0)), "Ray has"), replica_gpus(engine, cfg.tp, resources.get("GPU", 0))
+        yield Executor("ray", RayCalls(cpus, gpus), cpus, gpus)
     finally:
         progress.close()  # the feed's actor goes before Ray does
         if we_started_ray:
             ray.shutdown()
+
+
+def on_driver_node() -> dict:
+    """Ray actor options for the run's own helper actors (the progress feed, an online run's queues): no CPU,
+    and placed on this process's node (hard affinity), so that losing a worker node never takes one with it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"num_cpus": 0,
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)}

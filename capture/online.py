@@ -131,6 +131,7 @@ def start(cfg: RunConfig, world_size: int = 1, queue_units: int = 2, keep: bool 
     from ray.util.queue import Full, Queue
 
     from capture.driver import run
+    from capture.executor import on_driver_node
     from capture.sinks import Delivery
 
     if world_size < 1 or queue_units < 1:
@@ -141,8 +142,8 @@ def start(cfg: RunConfig, world_size: int = 1, queue_units: int = 2, keep: bool 
         ray.init(address=cfg.ray_address or "local", include_dashboard=False, logging_level=logging.ERROR)
     token = uuid.uuid4().hex[:12]
     names = [f"capture-online-{token}-rank{r}" for r in range(world_size)]
-    queues = [Queue(maxsize=queue_units, actor_options={"num_cpus": 0, "name": n, "namespace": NAMESPACE})
-              for n in names]
+    queues = [Queue(maxsize=queue_units, actor_options={**on_driver_node(), "name": n, "namespace": NAMESPACE})
+              for n in names]  # on the driver's node: a lost worker node does not take a rank's queue along
     endpoint = {"address": ray.get_runtime_context().gcs_address, "namespace": NAMESPACE, "queues": names,
                 "world_size": world_size, "auth_mode": os.environ.get("RAY_AUTH_MODE")}
     online = Online(cfg, queues, endpoint, started_ray=started)

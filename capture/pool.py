@@ -64,6 +64,9 @@ class ReplicaStats:
     write_seconds: float = 0.0
     restarts: int = 0
     failures: dict = dataclasses.field(default_factory=dict)  # reason → count
+    units_redone: int = 0  # units handed out again after this slot's replicas failed
+    lost_nodes: list = dataclasses.field(default_factory=list)  # Ray nodes lost under this slot (their addresses)
+    dropped: str = ""  # why the slot has no replica any more (its node was lost and no other has room)
 
 
 class ReplicaFailed(Exception):
@@ -77,12 +80,29 @@ class ReplicaFailed(Exception):
 
 
 class RayCalls:
-    """Replica calls through Ray actor handles (``make_actor`` returns ``ray.remote(...)(cls).remote(...)``)."""
+    """Replica calls through Ray actor handles (``make_actor`` returns ``ray.remote(...)(cls).remote(...)``);
+    ``cpus``/``gpus``: what one replica reserves (for :meth:`fits`)."""
 
-    def __init__(self):
+    def __init__(self, cpus: int = 1, gpus: float = 0):
         import ray
 
         self._ray = ray
+        self.need = {"CPU": cpus, "GPU": gpus}
+        self._dead = self._dead_nodes()
+
+    def _dead_nodes(self) -> set[str]:
+        return {f"{n['NodeManagerAddress']} ({n['NodeID'][:8]})" for n in self._ray.nodes() if not n["Alive"]}
+
+    def lost_nodes(self) -> list[str]:
+        """Nodes (address and id) Ray has marked dead since the previous call, sorted."""
+        dead = self._dead_nodes()
+        lost, self._dead = sorted(dead - self._dead), dead
+        return lost
+
+    def fits(self, replicas: int) -> bool:
+        """Whether ``replicas`` replicas fit the resources of the cluster's live nodes."""
+        total = self._ray.cluster_resources()
+        return all(total.get(k, 0) >= replicas * v for k, v in self.need.items() if v)
 
     def call(self, actor, method: str, *args, returns: int = 1):
         """One call; ``returns`` > 1: a list of that many handles (Ray ``num_returns``), each object owned
@@ -144,6 +164,12 @@ class LocalCalls:
         actor.thread.shutdown(wait=False, cancel_futures=True)
         actor.replica = None
 
+    def lost_nodes(self) -> list[str]:
+        return []  # one process: no node to lose without losing the driver
+
+    def fits(self, replicas: int) -> bool:
+        return True
+
     def release(self, actor: LocalActor) -> None:
         """The run is over: calls not started are cancelled, a running one is waited for, then the replica's
         threads end and its engine is dropped."""
@@ -192,19 +218,38 @@ class ReplicaPool:
         self.retry: list[Unit] = []
         self.quarantined: dict[str, str] = {}  # sample_id → reason
         self.start_seconds = 0.0
-        self._start([s.actor for s in self.slots])
+        self._start(list(range(replicas)))
 
-    def _start(self, actors: list) -> None:
-        """Wait for ``actors`` to load their engines, ticking meanwhile."""
+    def _start(self, slots: list[int]) -> None:
+        """Wait for the replicas of ``slots`` to load their engines, ticking meanwhile. A node Ray marks dead
+        meanwhile (its replica died: the replacement is waiting for room) drops waiting slots, newest first,
+        until the live nodes can hold the rest (:meth:`_drop`)."""
         t0 = time.monotonic()
-        pending = [self.calls.call(a, "start") for a in actors]
+        pending = {self.calls.call(self.slots[i].actor, "start"): i for i in slots}
+        deaths: dict[int, int] = {}  # slot → replicas of it that died while starting
         n = len(pending)
         try:
             while pending:
                 self.on_tick(f"loading the engine on {n} replica(s), {n - len(pending)} ready")
-                for ref in self.calls.wait(pending, self.tick_s):
-                    pending.remove(ref)
-                    self.calls.get(ref)
+                for ref in self.calls.wait(list(pending), self.tick_s):
+                    i = pending.pop(ref)
+                    try:
+                        self.calls.get(ref)
+                    except ReplicaFailed as e:  # its process died while starting (a node lost, OOM): again
+                        deaths[i] = deaths.get(i, 0) + 1
+                        self.stats[i].lost_nodes += self.calls.lost_nodes()
+                        if e.cause is not None or deaths[i] > self.max_attempts:
+                            raise
+                        self.calls.kill(self.slots[i].actor)
+                        self.slots[i].actor = self.make_actor()
+                        pending[self.calls.call(self.slots[i].actor, "start")] = i
+                lost = self.calls.lost_nodes()
+                for ref, i in sorted(pending.items(), key=lambda item: -item[1]):
+                    if lost or self.stats[i].lost_nodes:
+                        self.stats[i].lost_nodes += [x for x in lost if x not in self.stats[i].lost_nodes]
+                        if not self.calls.fits(sum(1 for s in self.slots if s.actor is not None)):
+                            pending.pop(ref)
+                            self._drop(i)
         except ReplicaFailed as e:
             if isinstance(e.cause, CaptureError):  # e.g. an engine argument vLLM refuses: one line, exit 2
                 raise e.cause from None
@@ -212,6 +257,21 @@ class ReplicaPool:
         finally:
             self.start_seconds += time.monotonic() - t0
         self.on_tick("capturing")
+
+    def _drop(self, i: int) -> None:
+        """Give up slot ``i`` (its node was lost and no live node has room for its replica); its records were
+        handed out again already. Raises CaptureError when no replica is left."""
+        slot, stats = self.slots[i], self.stats[i]
+        self.calls.kill(slot.actor)
+        slot.actor = None
+        nodes = ", ".join(stats.lost_nodes) or "unknown"
+        stats.dropped = f"node lost ({nodes}); no live node had room for a replacement"
+        others = sum(1 for s in self.slots if s.actor is not None)
+        log.warning("replica %d: its node was lost (%s) and no live node has room to replace it: going on with %d "
+                    "replica(s)", i, nodes, others)
+        if not others:
+            raise CaptureError(f"every replica is lost (last: replica {i}, node {nodes}); what was committed stays: "
+                               "rerun the same command once the cluster has room to resume")
 
     def submit(self, records: list) -> None:
         """Queue one unit on the least-loaded replica; waits (handling results and failures) while all
@@ -240,6 +300,8 @@ class ReplicaPool:
             self.drain()
             failed = False
             for i, slot in enumerate(self.slots):
+                if slot.actor is None:  # dropped with its lost node
+                    continue
                 try:
                     infos = self.calls.get(self.calls.call(slot.actor, "finish"))
                 except ReplicaFailed as e:
@@ -256,13 +318,16 @@ class ReplicaPool:
         """Release every replica (the run's end, after :meth:`finish` or a failure): in-process replicas
         free their engines; Ray actors end once the driver drops their handles."""
         for slot in self.slots:
+            if slot.actor is None:
+                continue
             try:
                 self.calls.release(slot.actor)
             except Exception as e:  # noqa: BLE001 - a replica that is already gone has nothing to release
                 log.debug("releasing a replica: %s", e)
 
     def _free_slot(self) -> int | None:
-        loads = [(len(s.queue), i) for i, s in enumerate(self.slots) if len(s.queue) < self.in_flight]
+        loads = [(len(s.queue), i) for i, s in enumerate(self.slots)
+                 if s.actor is not None and len(s.queue) < self.in_flight]
         return min(loads)[1] if loads else None
 
     def _send(self, i: int, unit: Unit) -> None:
@@ -330,9 +395,13 @@ class ReplicaPool:
                 slot.uncommitted.pop(sample_id, None)
 
     def _fail(self, i: int, reason: str, *, charge: bool) -> None:
-        """Replace replica ``i``; hand its uncommitted records out again (the running unit charged)."""
+        """Replace replica ``i``; hand its uncommitted records out again (the running unit charged). When Ray
+        has lost a node (now, or while the replacement waits for room: :meth:`_start`) and the live nodes
+        cannot hold the replacement, the slot is dropped instead (:meth:`_drop`: a warning, the run goes on
+        with fewer replicas, or stops with CaptureError when none is left; a rerun resumes)."""
         slot = self.slots[i]
         stats = self.stats[i]
+        stats.lost_nodes += self.calls.lost_nodes()
         stats.restarts += 1
         stats.failures[reason] = stats.failures.get(reason, 0) + 1
         log.warning("replica %d failed (%s); replacing it and retrying its %d uncommitted record(s)",
@@ -353,9 +422,10 @@ class ReplicaPool:
         if rest:
             requeue.append(Unit(rest))
         self.retry = requeue + self.retry
-        slot.actor = self.make_actor()
+        stats.units_redone += len(requeue)
         slot.queue, slot.uncommitted = [], {}
-        self._start([slot.actor])
+        slot.actor = self.make_actor()
+        self._start([i])
 
     def _after_failure(self, unit: Unit) -> list[Unit]:
         """A failed unit: retried whole, split in halves, or (one record) quarantined."""

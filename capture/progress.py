@@ -43,12 +43,13 @@ class Timings:
         return {k: round(v, 2) for k, v in dataclasses.asdict(self).items()}
 
 
-def feed():
-    """A replica → driver channel for token counts (``ray.util.queue.Queue``; needs Ray initialized).
-    Its actor reserves no CPU, so it never competes with the replicas for a slot."""
+def feed(actor_options: dict):
+    """A replica → driver channel for token counts (``ray.util.queue.Queue``; needs Ray initialized), its
+    actor made with ``actor_options`` (the executor's: no CPU, so it never competes with the replicas for a
+    slot, on the driver's node, :func:`capture.executor.on_driver_node`)."""
     from ray.util.queue import Queue
 
-    return Queue(actor_options={"num_cpus": 0})
+    return Queue(actor_options=actor_options)
 
 
 class LocalFeed(queue.SimpleQueue):

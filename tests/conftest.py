@@ -297,6 +297,20 @@ def start_ray_head(port: int, env: dict, *, num_cpus: int = 2,
                            "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=180)
 
 
+def start_ray_worker(address: str, env: dict, num_cpus: int, bind: tuple[Path, Path] | None = None
+                     ) -> subprocess.CompletedProcess:
+    """`ray start --address` of a worker node with ``num_cpus`` CPUs, its processes tagged as ``env`` says
+    (``CAPTURE_TEST_TAG``: :func:`kill_tagged` takes the whole node down, raylet and workers, as a lost
+    machine would). ``bind``: ``(source, target)``: the node's processes see folder ``source`` at path
+    ``target`` (a mount namespace of its own: a node whose disk holds other files at the same path)."""
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    cmd = [ray_bin, "start", "--address", address, "--num-cpus", str(num_cpus), "--disable-usage-stats"]
+    if bind is not None:
+        cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"',
+               "sh", str(bind[0]), str(bind[1]), *cmd]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+
+
 @dataclasses.dataclass(frozen=True)
 class RayCluster:
     address: str  # host:port of the head's GCS, what `--ray-address` takes

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from capture import identity
 from common.errors import CaptureError
-from conftest import REPO, free_port, kill_tagged, forget_ray_head, start_ray_head
+from conftest import REPO, forget_ray_head, free_port, kill_tagged, start_ray_head, start_ray_worker
 
 
 def model_folder(path: Path, seed: int = 0) -> Path:
@@ -73,10 +73,7 @@ def test_a_worker_node_with_another_model_config_stops_the_run_before_any_row(tm
         subprocess.run([ray_bin, "get-auth-token", "--generate"], capture_output=True, timeout=120, check=True)
         head = start_ray_head(port, env, num_cpus=0)
         assert head.returncode == 0, head.stderr[-2000:]
-        worker = subprocess.run(
-            ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-             f'mount --bind "$1" "$2" && exec "$3" start --address 127.0.0.1:{port} --num-cpus 2 --disable-usage-stats',
-             "sh", str(other), str(smol_dir), ray_bin], env=env, capture_output=True, text=True, timeout=180)
+        worker = start_ray_worker(f"127.0.0.1:{port}", env, 2, bind=(other, smol_dir))
         assert worker.returncode == 0, worker.stderr[-2000:]
         out = tmp_path / "run"
         proc = subprocess.run([sys.executable, "-m", "cli", "run", "--out", str(out), "--dataset", str(sample_jsonl),

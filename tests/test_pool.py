@@ -15,6 +15,7 @@ import ray
 import ray.cloudpickle
 
 from common.errors import CaptureError
+from capture.executor import on_driver_node
 from capture.pool import LocalActor, LocalCalls, ReplicaPool
 from capture.progress import Progress, feed
 from capture.replica import UnitResult
@@ -154,7 +155,7 @@ def test_progress_moves_before_the_first_unit_completes(local_ray):
     forward batch: 10 and 20 tokens are on screen before the first (30-token) unit completes."""
     screen = io.StringIO()
     progress = Progress(True, file=screen, interval=0.2)  # a terminal's rate (StringIO is no tty)
-    progress.feed = feed()
+    progress.feed = feed(on_driver_node())
     ticks, at_first_result = [], []
 
     def on_tick(status):

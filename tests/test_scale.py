@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, forget_ray_head, free_port, kill_tagged, start_ray_head, tagged_pids
+from conftest import REPO, forget_ray_head, free_port, kill_tagged, start_ray_head, start_ray_worker, tagged_pids
 from shards import manifest as manifest_mod
 from shards.verify import verify
 
@@ -144,4 +144,41 @@ def test_ray_job_submit_two_replicas(tmp_path, sample_jsonl, tag, ray_head_port)
     summary = json.JSONDecoder().raw_decode(logs[logs.rfind("\n{\n") + 1:])[0]  # the run's JSON summary
     assert [r["replica"] for r in summary["replicas"]] == [0, 1]
     assert all(r["units"] > 0 for r in summary["replicas"])  # both replicas took work
+    assert_exactly_once(out)
+
+
+def test_a_lost_worker_node_leaves_the_run_to_the_nodes_that_remain(tmp_path, sample_jsonl, tag, ray_head_port):
+    """A real multi-node cluster on this machine: a head without CPUs (the driver's node: the progress feed
+    lives there) and two worker nodes of 1 CPU, one replica each. Worker node A is SIGKILLed whole (raylet
+    and every worker) while its replica runs a unit: its replica cannot be placed again (B is full), so the
+    run drops it with a warning and completes on B, every row exactly once; the summary names the node."""
+    port = ray_head_port
+    env = {**env_for(tag), "RAY_AUTH_MODE": "token"}
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    subprocess.run([ray_bin, "get-auth-token", "--generate"], capture_output=True, timeout=120, check=True)
+    assert start_ray_head(port, env, num_cpus=0).returncode == 0
+    node_a = f"{tag}-a"  # a tag of its own: kill_tagged(node_a) is the whole node
+    for node in (node_a, tag):
+        started = start_ray_worker(f"127.0.0.1:{port}", {**env, "CAPTURE_TEST_TAG": node}, 1)
+        assert started.returncode == 0, started.stderr[-2000:]
+    out = tmp_path / "run"
+    proc = subprocess.Popen(run_cmd(out, sample_jsonl, "--replicas", "2", "--cpus-per-replica", "1", "--ray-address",
+                                    f"127.0.0.1:{port}"), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not tagged_pids(node_a, "ray::Replica.process") and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert tagged_pids(node_a, "ray::Replica.process"), "node A's replica was never seen running a unit"
+        time.sleep(0.5)  # inside the unit
+        kill_tagged(node_a)
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        kill_tagged(node_a)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr
+    summary = json.loads(stdout)
+    lost = [r for r in summary["replicas"] if r["lost_nodes"]]
+    assert len(lost) == 1 and "no live node had room" in lost[0]["dropped"] and lost[0]["units_redone"] >= 1
+    assert "no live node has room to replace it: going on with 1 replica(s)" in stderr
     assert_exactly_once(out)
