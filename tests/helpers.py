@@ -225,3 +225,62 @@ def make_prompt(*segments, sample_id: str = "p:0", row_index: int = 0, source: s
     """A regenerate-mode prompt: one int32 segment per assistant turn to generate (``turns`` = len(segments))."""
     segs = tuple(np.asarray(s, dtype=np.int32) for s in segments)
     return Prompt(sample_id, row_index, source, segs, tuple([turn_end] * (len(segs) - 1)))
+
+
+# --------------------------------------------------------------------------------------------------
+# a model whose states are known exactly (issue 33 part 7)
+
+PREDICTABLE_LAYERS = 6
+PREDICTABLE_TOKEN = 100  # the token it always generates
+
+
+def predictable_embedding(ids: np.ndarray, hidden: int = 64) -> np.ndarray:
+    """The embedding of each token id: small integers that differ by token (so a state names its position)."""
+    j = np.arange(hidden)
+    return ((ids.astype(np.int64)[:, None] * (j + 1)) % 31 - 15).astype(np.float32)
+
+
+def predictable_state(ids: np.ndarray, tap: int | str, hidden: int = 64, eps: float = 1e-5) -> np.ndarray:
+    """``[T, H]`` float32: the state of :func:`predictable_model` after 0-based decoder layer ``tap`` (layer i
+    adds 2 * (i + 1) to every channel: after layer k the sum is (k + 1)(k + 2)), or ``"pre-norm"`` / ``"post-norm"``
+    (the last layer's output, then RMSNorm with weight 1)."""
+    k = PREDICTABLE_LAYERS - 1 if isinstance(tap, str) else tap
+    x = predictable_embedding(ids, hidden) + (k + 1) * (k + 2)
+    if tap == "post-norm":
+        x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return x
+
+
+def predictable_model(path: Path, tokenizer_dir: Path, hidden: int = 64) -> Path:
+    """A llama model folder at ``path`` (``PREDICTABLE_LAYERS`` layers, ``hidden`` wide, bf16 safetensors,
+    ``tokenizer_dir``'s tokenizer and chat template) whose every state is known: attention and MLP weights
+    are zero, so decoder layer i adds its MLP's down-projection bias, 2 * (i + 1), to the residual stream;
+    the embedding is :func:`predictable_embedding`; the LM head sends every position to token
+    ``PREDICTABLE_TOKEN`` (never an end of turn: generation runs to its budget). Every value is a small
+    integer, exact in bf16 arithmetic, so every engine must store exactly :func:`predictable_state`."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab = 49152
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden,
+                         num_hidden_layers=PREDICTABLE_LAYERS, num_attention_heads=2, num_key_value_heads=2,
+                         head_dim=hidden // 2, max_position_embeddings=4096, rms_norm_eps=1e-5, mlp_bias=True,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                         torch_dtype="bfloat16")
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.model.embed_tokens.weight.copy_(torch.from_numpy(predictable_embedding(np.arange(vocab), hidden)))
+        for i, layer in enumerate(model.model.layers):
+            layer.mlp.down_proj.bias.fill_(2.0 * (i + 1))
+            layer.input_layernorm.weight.fill_(1.0)
+            layer.post_attention_layernorm.weight.fill_(1.0)
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight[PREDICTABLE_TOKEN].fill_(1.0)
+    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, path / name)
+    return path
