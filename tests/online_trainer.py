@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--attach", type=int, metavar="RANK", help="read this rank of a run another process started")
     ap.add_argument("--workers", type=int, default=0, help="with --attach: DataLoader workers (spawned)")
     ap.add_argument("--ray-address", help="a running Ray cluster (default: a local one of its own)")
+    ap.add_argument("--disk-reserve", help="the capture's --disk-reserve (e.g. 0 on a small test disk)")
     ap.add_argument("--try-fork", action="store_true", help="first try a forked DataLoader worker (refused)")
     args = ap.parse_args()
     if args.attach is not None:
@@ -55,7 +56,8 @@ def main() -> None:
     cfg = from_mapping({"target": "smollm2-135m", "dataset": args.dataset, "layers": "3,15", "final": "post-norm",
                         "limit": args.limit, "max_tokens": 256, "overlength": "truncate", "replicas": args.replicas,
                         "cpus_per_replica": 1, "unit_tokens": 600, "out": args.out, "progress": False, **regenerate,
-                        **({"ray_address": args.ray_address} if args.ray_address else {})})
+                        **({"ray_address": args.ray_address} if args.ray_address else {}),
+                        **({"disk_reserve": args.disk_reserve} if args.disk_reserve else {})})
     run = online.start(cfg, world_size=args.world_size, keep=args.keep)
     stream = run.stream(0, timeout_s=300)
     if args.try_fork:  # a forked DataLoader worker of this Ray-connected process: refused before it takes a unit

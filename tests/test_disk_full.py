@@ -121,3 +121,39 @@ def test_a_follow_trainer_whose_ack_cannot_be_written_keeps_the_checkpoint_and_a
         state = json.loads((out / "checkpoints" / latest / "state.json").read_text())
         assert state["step"] > 2
         assert live.read(as_location(run), "tail")[-1].position == state["streams"][0]["position"]
+
+
+@pytest.mark.ray
+@pytest.mark.model
+def test_an_online_tee_on_a_full_disk_stops_cleanly_and_the_rerun_delivers_the_rest_once(tmp_path, sample_jsonl):
+    """`--keep` (the tee) on a 6 MiB disk: the capture stops at a commit boundary when a shard write meets
+    ENOSPC, the trainer's stream ends with that one line; after the disk grows, the same trainer command
+    gets exactly the rows it had not acked, and the shards hold every row once."""
+    import os
+    import sys
+    import uuid
+
+    from conftest import REPO, kill_tagged
+    from shards.stream import ShardStream
+
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "TQDM_DISABLE": "1", "CAPTURE_TEST_TAG": tag}
+    with small_disk(tmp_path / "disk", "6m") as disk:
+        out = disk / "online"
+        cmd = [sys.executable, str(REPO / "tests" / "online_trainer.py"), "--out", str(out), "--dataset",
+               str(sample_jsonl), "--limit", "16", "--keep", "--disk-reserve", "0"]
+        try:
+            first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+            assert first.returncode == 1 and "stopped cleanly: the disk at" in first.stderr, first.stderr[-2000:]
+            assert "is full" in first.stderr and "nothing half-written" in first.stderr
+            before = [json.loads(x)["id"] for x in first.stdout.splitlines() if x.startswith('{"id"')]
+            assert 0 < len(before) < 16 and verify(out).ok and not manifest.read(out).complete
+            grow(disk)
+            second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        finally:
+            kill_tagged(tag)
+        assert second.returncode == 0, second.stderr[-3000:]
+        after = [json.loads(x)["id"] for x in second.stdout.splitlines() if x.startswith('{"id"')]
+        assert not set(before) & set(after) and len(before) + len(after) == 16  # every row once to the trainer
+        assert verify(out).ok and manifest.read(out).complete
+        assert sorted(s["sample_id"] for s in ShardStream(out)) == sorted(set(before) | set(after))

@@ -6,16 +6,18 @@ exactly its own replica or trainer."""
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from conftest import REPO, capture_process
+from conftest import REPO, capture_process, kill_tagged, start_ray_head, start_ray_worker, tagged_pids
 from shards import manifest as manifest_mod
 from shards import live
 from shards.run import as_location
 from shards.stream import ShardStream
 from shards.verify import verify
-from test_scale import SAMPLE_NAME, env_for, kill_a_busy_replica, tag  # noqa: F401 - tag is a fixture
+from test_scale import SAMPLE_NAME, env_for, kill_a_busy_replica, ray_head_port, tag  # noqa: F401 - fixtures
 
 import online_trainer
 
@@ -203,3 +205,38 @@ def test_attach_refuses_in_one_line(tmp_path, reader_run):
     assert manifest_mod.read(tmp_path).header is not None
     with pytest.raises(CaptureError, match=r"the Ray cluster or queues named in .*online-endpoint.json are gone"):
         attach(tmp_path, 1, wait_s=0)
+
+
+def test_a_lost_worker_node_online_delivers_every_row_once(tmp_path, sample_jsonl, tag, ray_head_port):
+    """tests/test_scale.py's lost node, online with --keep: a head without CPUs (the driver's node, where the
+    trainer's queue lives) and two 1-CPU worker nodes; node A is SIGKILLed whole while its replica runs a
+    unit. The trainer gets every row once, the tee's shards verify, the summary names the lost node."""
+    port = ray_head_port
+    env = {**env_for(tag), "RAY_AUTH_MODE": "token"}
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    subprocess.run([ray_bin, "get-auth-token", "--generate"], capture_output=True, timeout=120, check=True)
+    assert start_ray_head(port, env, num_cpus=0).returncode == 0
+    node_a = f"{tag}-a"
+    for node in (node_a, tag):
+        assert start_ray_worker(f"127.0.0.1:{port}", {**env, "CAPTURE_TEST_TAG": node}, 1).returncode == 0
+    out = tmp_path / "online"
+    cmd = [sys.executable, str(REPO / "tests" / "online_trainer.py"), "--out", str(out), "--dataset", str(sample_jsonl),
+           "--limit", str(LIMIT), "--keep", "--ray-address", f"127.0.0.1:{port}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        title = "ray::Replica.process_with_payload"
+        while not tagged_pids(node_a, title) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert tagged_pids(node_a, title), "node A's replica was never seen running a unit"
+        time.sleep(0.5)
+        kill_tagged(node_a)
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        kill_tagged(node_a)
+    assert proc.returncode == 0, stderr[-3000:]
+    rows, end = lines_of(stdout)
+    assert sorted(r["id"] for r in rows) == all_ids()  # none lost, none twice
+    lost = [r for r in end["summary"]["replicas"] if r["lost_nodes"]]
+    assert len(lost) == 1 and lost[0]["dropped"] and lost[0]["units_redone"] >= 1
+    assert_tee(out)
