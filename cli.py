@@ -467,8 +467,11 @@ def shards_gc(run_dir, dry_run) -> None:
 @click.option("--heldout-fraction", default=0.01, show_default=True, type=float)
 @click.option("--layers", help="Taps to export as aux states, in order, e.g. 3,15,27 (default: all; "
               "SpecForge's EAGLE-3 takes exactly 3).")
+@click.option("--no-states", is_flag=True, help="speculators: the index alone (dataset + export.json, no state "
+              "files); its trainer reads the states from the run in place (`torchrun -m shards.speculators "
+              "... --hidden-states-backend capture`, docs/reading.md).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def export_cmd(run_dir, out, fmt, split, heldout_fraction, layers, no_progress) -> None:
+def export_cmd(run_dir, out, fmt, split, heldout_fraction, layers, no_states, no_progress) -> None:
     """Write RUN_DIR's samples as another trainer's per-sample files into OUT (a new folder).
 
     speculators gets the pre-norm final state in its last slot (it applies the final norm itself; from a
@@ -478,7 +481,7 @@ def export_cmd(run_dir, out, fmt, split, heldout_fraction, layers, no_progress) 
     from shards.export import export
 
     r = export(run_dir, out, fmt, split=split, heldout_fraction=heldout_fraction, layers=parse_layers(layers),
-               progress=not no_progress)
+               progress=not no_progress, states=not no_states)
     for w in r["warnings"]:
         click.echo(f"warning: {w}", err=True)
     click.echo(f"{r['out']}: {r['samples']} samples, {r['tokens']:,} tokens as {r['format']} files")

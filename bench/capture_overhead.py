@@ -34,7 +34,8 @@ def main() -> None:
     args = ap.parse_args()
     header()
 
-    from capture.chat import load_encoder, tokenizer_sha256
+    from capture.chat import load_encoder
+    from common.hashing import tokenizer_sha256
     from capture.replica import Replica
     from capture.targets import PRESETS, make_taps
     from filters import FilterConfig, apply_filters

@@ -316,11 +316,6 @@ def template_boilerplate(tokenizer, template: str) -> tuple[int, ...]:
     return tuple(tokenizer("<think></think>", add_special_tokens=False)["input_ids"])
 
 
-def tokenizer_sha256(tokenizer) -> str:
-    """SHA-256 of the fast tokenizer's serialized JSON (vocabulary, merges, normalizer, added tokens)."""
-    return text_sha256(tokenizer.backend_tokenizer.to_str())
-
-
 def _masked(value, specials: tuple[str, ...]):
     """``value`` (a message list, dict, string) with every string of ``specials`` in its strings replaced by
     its mask: ``len(s)`` copies of ``chr(_MASK + k)`` for ``specials[k]``, so that rendering keeps every

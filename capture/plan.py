@@ -18,7 +18,7 @@ import logging
 
 import pyarrow.fs as pafs
 
-from capture.chat import ChatEncoder, load_encoder, packaged_template, tokenizer_sha256
+from capture.chat import ChatEncoder, load_encoder, packaged_template
 from capture.config import RunConfig
 from capture.dataset import DatasetRef, resolve_dataset
 from capture.engines import (REGISTRY, EngineSpec, check_here, engine_class, engine_spec, resolve_engine, takers,
@@ -28,6 +28,7 @@ from capture.regenerate import responses_header
 from capture.summary import Summary
 from capture.targets import Taps, Target, make_taps, model_dir, resolve_target
 from common.errors import CaptureError
+from common.hashing import tokenizer_sha256
 from shards import codecs
 from shards import format as shard_format
 from shards import manifest as manifest_mod

@@ -18,6 +18,12 @@ def text_sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def tokenizer_sha256(tokenizer) -> str:
+    """SHA-256 of a fast tokenizer's serialized JSON (vocabulary, merges, normalizer, added tokens): the
+    run header's ``tokenizer_sha256``."""
+    return text_sha256(tokenizer.backend_tokenizer.to_str())
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     """SHA-256 of a file, streamed in 1 MiB chunks."""
     h = hashlib.sha256()

@@ -49,10 +49,11 @@ from pathlib import Path
 
 import numpy as np
 
-from capture.chat import ChatEncoder, load_encoder, tokenizer_sha256
+from capture.chat import ChatEncoder, load_encoder
 from capture.conversation import Conversation, iter_conversations
 from capture.dataset import ReadStats, resolve_dataset
 from common.errors import CaptureError
+from common.hashing import tokenizer_sha256
 from provenance import reference as ref_index
 from provenance.record import PROVENANCE
 from provenance.record import read as read_provenance

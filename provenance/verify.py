@@ -69,10 +69,10 @@ def verify(run_dir: str | os.PathLike | Location) -> Report:
 
 
 def _tokenizer_sha256(model_dir: str) -> str | None:
-    """:func:`capture.chat.tokenizer_sha256` of the model folder's tokenizer; None when it cannot be loaded."""
+    """:func:`common.hashing.tokenizer_sha256` of the model folder's tokenizer; None when it cannot be loaded."""
     from transformers import AutoTokenizer
 
-    from capture.chat import tokenizer_sha256
+    from common.hashing import tokenizer_sha256
 
     try:
         return tokenizer_sha256(AutoTokenizer.from_pretrained(model_dir))

@@ -67,18 +67,26 @@ SPECFORGE_EAGLE3_TAPS = 3  # LlamaForCausalLMEagle3's fc takes target_hidden_siz
 
 
 def export(run: str | os.PathLike | Location, out: str | os.PathLike, fmt: str, *, split: str = "all",
-           heldout_fraction: float = 0.01, layers: Sequence[int] | None = None, progress: bool = False) -> dict:
+           heldout_fraction: float = 0.01, layers: Sequence[int] | None = None, progress: bool = False,
+           states: bool = True) -> dict:
     """Write the run's samples (``split``: ``train``/``heldout``/``all``, see :func:`shards.stream.in_split`)
     into the local folder ``out`` in format ``fmt`` (module docstring); ``run`` is a path, a URI or a
     Location; ``layers``: the taps to export as aux states, in that order (default: every tap, less the
     one speculators' last slot takes). Returns ``{"format", "samples", "tokens", "out", "warnings", "trainers"}``.
 
-    Raises CaptureError for an unknown format, a run without the final state the format's trainer needs
+    ``states=False`` (speculators only): the index alone, no state file: the Hugging Face dataset and
+    ``export.json``, which names the run; speculators' trainer then reads the states from the run in place
+    through the ``capture`` hidden-states backend (:mod:`shards.speculators`).
+
+    Raises CaptureError for an unknown format, ``states=False`` with specforge, a run without the final state the format's trainer needs
     (speculators: pre-norm, specforge: post-norm), a tap the run lacks or named twice, an empty split, or an ``out``
     that exists and is not empty (nothing is overwritten).
     """
     if fmt not in FORMATS:
         raise CaptureError(f"unknown export format {fmt!r}; one of {', '.join(FORMATS)}")
+    if not states and fmt != "speculators":
+        raise CaptureError("--no-states (an index that reads the run in place) is for speculators; SpecForge reads "
+                           "its own files: export them, or read the run with shards.stream.ShardStream")
     loc = as_location(run)
     head = ShardStream(loc, split=split, heldout_fraction=heldout_fraction).header  # refuses a folder without a run
     num_layers = int(head.target.get("num_layers") or 0)
@@ -107,8 +115,8 @@ def export(run: str | os.PathLike | Location, out: str | os.PathLike, fmt: str, 
 
     final_tap = tap_layer(final_from)  # None: the final column
     wanted = sorted(set(aux) | ({final_tap} if final_tap is not None else set()))
-    stream = ShardStream(loc, split=split, heldout_fraction=heldout_fraction, layers=wanted, final=final_tap is None,
-                         topk=False)
+    stream = ShardStream(loc, split=split, heldout_fraction=heldout_fraction, layers=wanted if states else wanted[:1],
+                         final=final_tap is None and states, topk=False)  # an index decodes one tap, unused
     if len(stream) == 0:
         raise CaptureError(f"run {run} has no committed samples in split {split!r}; nothing to export")
     out = Path(out)
@@ -123,13 +131,13 @@ def export(run: str | os.PathLike | Location, out: str | os.PathLike, fmt: str, 
 
     aux_slots = [wanted.index(k) for k in aux]
     final_slot = None if final_tap is None else wanted.index(final_tap)
-    write = _specforge if fmt == "specforge" else _speculators
+    write = _specforge if fmt == "specforge" else _speculators if states else _speculators_index
     ids, tokens, rows = [], 0, []
     try:
         for i, sample in enumerate(tqdm(stream, total=len(stream), disable=not progress, unit="sample")):
-            aux_states = sample["taps"][:, aux_slots]  # [T, L, H]
-            final = sample["final"] if final_slot is None else sample["taps"][:, final_slot]  # [T, H]
-            rows.append(write(out, i, sample, aux_states, final))
+            aux_states = sample["taps"][:, aux_slots] if states else None  # [T, L, H]
+            final = None if not states else sample["final"] if final_slot is None else sample["taps"][:, final_slot]
+            rows.append(write(out, i, sample, aux_states, final))  # final: [T, H]
             ids.append(sample["sample_id"])
             tokens += len(sample["input_ids"])
         if fmt == "speculators":
@@ -144,6 +152,7 @@ def export(run: str | os.PathLike | Location, out: str | os.PathLike, fmt: str, 
             "convention": _convention(fmt, len(aux)),
             "trainers": _trainers(fmt, aux, num_layers),
             "warnings": warnings,
+            "states": "files" if states else {"in_place": str(loc.absolute()), "aux": aux, "final_from": final_from},
         }
         if head.topk:
             record["topk"] = {"stored": head.topk, "exported": False,
@@ -230,6 +239,12 @@ def _speculators(out: Path, i: int, sample: dict, aux: torch.Tensor, final: torc
     states = torch.cat([aux, final[:, None]], dim=1)  # [T, L+1, H]
     _write_file(folder / f"hs_{i}.safetensors",
                 save({"token_ids": sample["input_ids"], "hidden_states": states.contiguous()}))
+    return {"input_ids": sample["input_ids"].tolist(), "loss_mask": sample["loss_mask"].tolist(),
+            "seq_len": len(sample["input_ids"]), "sample_id": sample["sample_id"]}
+
+
+def _speculators_index(out: Path, i: int, sample: dict, aux: None, final: None) -> dict:
+    """A speculators dataset row without its state file (``states=False``)."""
     return {"input_ids": sample["input_ids"].tolist(), "loss_mask": sample["loss_mask"].tolist(),
             "seq_len": len(sample["input_ids"]), "sample_id": sample["sample_id"]}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import types
 
 import datasets
 import pytest
@@ -257,3 +258,81 @@ def test_export_refuses_bad_input(reader_run, tmp_path):
         export(reader_run, tmp_path / "y", "eagle")
     res = CliRunner().invoke(cli.main, ["export", str(tmp_path / "nothing"), str(tmp_path / "z"), "--format", "specforge"])
     assert res.exit_code == 2 and "holds no capture run" in res.output
+
+
+def test_speculators_reads_the_run_in_place_through_the_capture_backend(prenorm_run, smol_dir, tmp_path):
+    """issue 32: `capture export --no-states` writes the index alone; speculators' own ArrowDataset with the
+    `capture` hidden-states backend yields, item for item, bit for bit, what it yields from the exported
+    files, and one training step of its EAGLE-3 draft runs on a batch from it. Refusals: other
+    --target-layer-ids, a verifier with another tokenizer, an index whose run lost a sample."""
+    from hs_connectors import HiddenStatesBackend
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import ArrowDataset, CollateFn
+
+    from shards.speculators import BACKEND, RunTransfer, check_trainer
+
+    files, index = tmp_path / "files", tmp_path / "index"
+    export(prenorm_run, files, "speculators")
+    res = CliRunner().invoke(cli.main, ["export", str(prenorm_run), str(index), "--format", "speculators",
+                                        "--no-states", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert not (index / "hidden_states").exists()
+    size = sum(p.stat().st_size for p in index.rglob("*") if p.is_file())
+    assert size * 20 < sum(p.stat().st_size for p in (files / "hidden_states").iterdir())  # the index is small
+
+    args = types.SimpleNamespace(target_layer_ids=[4, 16, 28], verifier_name_or_path=str(smol_dir))
+    transfer = HiddenStatesBackend.registry[BACKEND].from_train_args(args, str(index))
+    from_files = ArrowDataset(max_len=4096, datapath=str(files), on_missing="raise")
+    in_place = ArrowDataset(max_len=4096, datapath=str(index), transfer=transfer, on_missing="raise")
+    assert len(in_place) == len(from_files) > 0 and in_place.approx_lengths == from_files.approx_lengths
+    for i in range(len(from_files)):
+        a, b = from_files[i], in_place[i]
+        assert set(a) == set(b)
+        for k in a:
+            assert a[k].dtype == b[k].dtype and torch.equal(bits(a[k]) if a[k].is_floating_point() else a[k],
+                                                             bits(b[k]) if b[k].is_floating_point() else b[k]), (i, k)
+
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from transformers import AutoConfig
+
+    verifier = AutoConfig.from_pretrained(smol_dir)
+    small = copy.deepcopy(verifier)
+    small.num_hidden_layers = 1
+    model = Eagle3DraftModel.from_training_args(
+        small, verifier_name_or_path=str(smol_dir), draft_vocab_size=verifier.vocab_size,
+        target_layer_ids=transfer.target_layer_ids, norm_before_residual=False, ttt_steps=2, draft_attn_impl="eager")
+    rows, agree, total = stored(prenorm_run), 0, 0
+    for i, sid in enumerate(transfer.sample_ids):  # its teacher over the in-place last slot: the stored argmax
+        t, r = rows[sid]
+        with torch.no_grad():
+            teacher = model.verifier_lm_head(model.verifier_norm(in_place[i]["verifier_last_hidden_states"].float()))
+        agree += int((teacher.argmax(-1) == torch.tensor(t.column("argmax")[r].as_py())).sum())
+        total += t.column("num_tokens")[r].as_py()
+    assert agree / total >= 0.95, (agree, total)
+    collate = CollateFn(max_len=512, hidden_size=576, num_target_layers=3, dtype=torch.bfloat16, preprocess=shift_batch)
+    batch = collate([in_place[0], in_place[1]])
+    model = model.to(torch.bfloat16)
+    keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
+    _, loss, _ = model(**{k: batch[k] for k in keys}, ttt_steps=2, loss_config=resolve_loss_config("kl_div", "eager"))
+    loss.backward()  # speculators' own training step on a batch read in place
+    assert torch.isfinite(loss) and model.fc.weight.grad.abs().sum() > 0
+
+    with pytest.raises(CaptureError, match=r"--target-layer-ids \[4, 16\] but the index holds the run's taps as vLLM ids \[4, 16, 28\]"):
+        check_trainer(transfer, [4, 16], None)
+    other = tmp_path / "tok"
+    other.mkdir()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smol_dir)
+    tok.add_tokens(["<a-token-the-run-never-saw>"])
+    tok.save_pretrained(other)
+    with pytest.raises(CaptureError, match="has another tokenizer"):
+        check_trainer(transfer, None, str(other))
+    record = json.loads((index / "export.json").read_text())
+    record["sample_ids"][0] = "not-in-the-run:0"
+    (index / "export.json").write_text(json.dumps(record))
+    with pytest.raises(CaptureError, match=r"no longer holds 1 sample\(s\) of this index, e.g. not-in-the-run:0"):
+        RunTransfer(index)
+    with pytest.raises(CaptureError, match="--no-states .* is for speculators"):
+        export(prenorm_run, tmp_path / "sf", "specforge", states=False)
