@@ -44,6 +44,7 @@ extra keys neither reads would only cost disk, so ``export.json`` records ``topk
 from __future__ import annotations
 
 import errno
+import functools
 import io
 import json
 import os
@@ -64,6 +65,7 @@ from shards.stream import ShardStream
 FORMATS = ("specforge", "speculators")
 SPECFORGE_GROUP = 2000  # SpecForge's file_group_size: data_{i} lives in rows_{g}-{g+2000}
 SPECFORGE_EAGLE3_TAPS = 3  # LlamaForCausalLMEagle3's fc takes target_hidden_size * 3
+STUB_KEY = "capture_in_place"  # a specforge stub file's one key (shards.specforge)
 
 
 def export(run: str | os.PathLike | Location, out: str | os.PathLike, fmt: str, *, split: str = "all",
@@ -74,19 +76,17 @@ def export(run: str | os.PathLike | Location, out: str | os.PathLike, fmt: str, 
     Location; ``layers``: the taps to export as aux states, in that order (default: every tap, less the
     one speculators' last slot takes). Returns ``{"format", "samples", "tokens", "out", "warnings", "trainers"}``.
 
-    ``states=False`` (speculators only): the index alone, no state file: the Hugging Face dataset and
-    ``export.json``, which names the run; speculators' trainer then reads the states from the run in place
-    through the ``capture`` hidden-states backend (:mod:`shards.speculators`).
+    ``states=False``: no state file, the run is read in place. speculators: the index alone (the Hugging
+    Face dataset and ``export.json``, which names the run), read through the ``capture`` hidden-states
+    backend (:mod:`shards.speculators`); specforge: a ~300-byte stub per sample where its file goes, which
+    :mod:`shards.specforge`'s shim loads as the full sample.
 
-    Raises CaptureError for an unknown format, ``states=False`` with specforge, a run without the final state the format's trainer needs
+    Raises CaptureError for an unknown format, a run without the final state the format's trainer needs
     (speculators: pre-norm, specforge: post-norm), a tap the run lacks or named twice, an empty split, or an ``out``
     that exists and is not empty (nothing is overwritten).
     """
     if fmt not in FORMATS:
         raise CaptureError(f"unknown export format {fmt!r}; one of {', '.join(FORMATS)}")
-    if not states and fmt != "speculators":
-        raise CaptureError("--no-states (an index that reads the run in place) is for speculators; SpecForge reads "
-                           "its own files: export them, or read the run with shards.stream.ShardStream")
     loc = as_location(run)
     head = ShardStream(loc, split=split, heldout_fraction=heldout_fraction).header  # refuses a folder without a run
     num_layers = int(head.target.get("num_layers") or 0)
@@ -131,7 +131,11 @@ def export(run: str | os.PathLike | Location, out: str | os.PathLike, fmt: str, 
 
     aux_slots = [wanted.index(k) for k in aux]
     final_slot = None if final_tap is None else wanted.index(final_tap)
-    write = _specforge if fmt == "specforge" else _speculators if states else _speculators_index
+    if states:
+        write = _specforge if fmt == "specforge" else _speculators
+    else:
+        plan = {"run": str(loc.absolute()), "aux": list(aux), "final_from": final_from}
+        write = functools.partial(_specforge_stub, plan) if fmt == "specforge" else _speculators_index
     ids, tokens, rows = [], 0, []
     try:
         for i, sample in enumerate(tqdm(stream, total=len(stream), disable=not progress, unit="sample")):
@@ -247,6 +251,17 @@ def _speculators_index(out: Path, i: int, sample: dict, aux: None, final: None) 
     """A speculators dataset row without its state file (``states=False``)."""
     return {"input_ids": sample["input_ids"].tolist(), "loss_mask": sample["loss_mask"].tolist(),
             "seq_len": len(sample["input_ids"]), "sample_id": sample["sample_id"]}
+
+
+def _specforge_stub(plan: dict, out: Path, i: int, sample: dict, aux: None, final: None) -> dict:
+    """Where SpecForge's ``data_{i}.ckpt`` goes, a stub naming the run and the sample (``states=False``)."""
+    g = i // SPECFORGE_GROUP * SPECFORGE_GROUP
+    folder = out / f"rows_{g}-{g + SPECFORGE_GROUP}"
+    folder.mkdir(exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save({STUB_KEY: {**plan, "sample_id": sample["sample_id"]}}, buffer)
+    _write_file(folder / f"data_{i}.ckpt", buffer.getbuffer())
+    return {}
 
 
 def _specforge(out: Path, i: int, sample: dict, aux: torch.Tensor, final: torch.Tensor) -> dict:

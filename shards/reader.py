@@ -40,3 +40,34 @@ def iter_rows(run: str | os.PathLike | Location) -> Iterator[dict]:
         table = loc.read_table(shard["path"], rows=shard["rows"])
         for i in range(table.num_rows):
             yield read_row(table, i).to_dict()
+
+
+class SampleIndex:
+    """Random access to a run's committed rows by sample id, for trainers that read a run in place
+    (:mod:`shards.speculators`, :mod:`shards.specforge`): the manifest maps ids to (shard, row) once; the
+    last ``open_shards`` tables stay open (local: memory-mapped). One per process (DataLoader workers each
+    make their own on first use). Raises CaptureError when the run lacks one of ``sample_ids``."""
+
+    def __init__(self, run: str | os.PathLike | Location, sample_ids, open_shards: int = 4):
+        from collections import OrderedDict
+
+        from common.errors import CaptureError
+
+        self.location = as_location(run)
+        self.where = {sid: (s["path"], r) for s in manifest_mod.read(self.location).shards
+                      for r, sid in enumerate(s["sample_ids"])}
+        missing = [sid for sid in sample_ids if sid not in self.where]
+        if missing:
+            raise CaptureError(f"the run {self.location.path} no longer holds {len(missing)} sample(s) of this index, "
+                               f"e.g. {missing[0]}; export the index again")
+        self.open_shards, self.tables = open_shards, OrderedDict()
+
+    def row(self, sample_id: str) -> tuple[pa.Table, int]:
+        """The shard table holding ``sample_id`` and its row."""
+        path, row = self.where[sample_id]
+        if path not in self.tables:
+            self.tables[path] = self.location.read_table(path)
+            while len(self.tables) > self.open_shards:
+                self.tables.popitem(last=False)
+        self.tables.move_to_end(path)
+        return self.tables[path], row

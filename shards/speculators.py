@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +34,8 @@ from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
 
 from common.errors import CaptureError
 from shards import manifest as manifest_mod
+from shards.reader import SampleIndex
 from shards.rows import state_tensor
-from shards.run import as_location
 
 BACKEND = "capture"
 
@@ -59,27 +58,18 @@ class RunTransfer(HiddenStatesTransfer):
         self.columns = [f"tap_{k}" for k in plan["aux"]] + [plan["final_from"]]
         self.target_layer_ids = record["trainers"]["speculators"]["target_layer_ids"]
         self.open_shards = open_shards
-        self._where: dict[str, tuple[str, int]] | None = None
-        self._tables: OrderedDict = OrderedDict()
+        self.rows: SampleIndex | None = None
         self.setup()
 
     def setup(self) -> None:
         """Map every sample id to its shard and row (the manifest; no state is read). Raises CaptureError
         when the run lacks a sample of the index (gone, repaired or another run since)."""
-        if self._where is not None:
-            return
-        loc = as_location(self.run)
-        where = {sid: (s["path"], r) for s in manifest_mod.read(loc).shards for r, sid in enumerate(s["sample_ids"])}
-        missing = [sid for sid in self.sample_ids if sid not in where]
-        if missing:
-            raise CaptureError(f"the run {self.run} no longer holds {len(missing)} sample(s) of this index, e.g. "
-                               f"{missing[0]}; export the index again")
-        self._where = where
+        if self.rows is None:
+            self.rows = SampleIndex(self.run, self.sample_ids, self.open_shards)
 
     def get_cached(self, file_idx: int) -> dict[str, torch.Tensor]:
         """``{"token_ids": int64 [T], "hidden_states": [T, n, H]}`` of sample ``file_idx`` (module docstring)."""
-        path, row = self._where[self.sample_ids[file_idx]]
-        table = self._table(path)
+        table, row = self.rows.row(self.sample_ids[file_idx])
         states = torch.stack([state_tensor(table, c, row) for c in self.columns], dim=1)
         ids = torch.from_numpy(table.column("input_ids")[row].values.to_numpy(zero_copy_only=False).astype("int64"))
         return {"token_ids": ids, "hidden_states": states}
@@ -87,14 +77,6 @@ class RunTransfer(HiddenStatesTransfer):
     def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, torch.Tensor] | None:
         raise CaptureError("the capture backend reads states a run holds; it cannot ask vLLM for new ones "
                            "(speculators' --on-missing generate): use --on-missing raise")
-
-    def _table(self, path: str):
-        if path not in self._tables:
-            self._tables[path] = as_location(self.run).read_table(path)
-            while len(self._tables) > self.open_shards:
-                self._tables.popitem(last=False)
-        self._tables.move_to_end(path)
-        return self._tables[path]
 
 
 @HiddenStatesBackend.register(BACKEND)

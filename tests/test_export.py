@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
+import sys
 import types
 
 import datasets
@@ -334,5 +336,61 @@ def test_speculators_reads_the_run_in_place_through_the_capture_backend(prenorm_
     (index / "export.json").write_text(json.dumps(record))
     with pytest.raises(CaptureError, match=r"no longer holds 1 sample\(s\) of this index, e.g. not-in-the-run:0"):
         RunTransfer(index)
-    with pytest.raises(CaptureError, match="--no-states .* is for speculators"):
-        export(prenorm_run, tmp_path / "sf", "specforge", states=False)
+
+
+def test_specforge_reads_the_run_in_place_through_stub_files_and_its_shim(reader_run, smol_dir, tmp_path):
+    """issue 32: `capture export --format specforge --no-states` writes ~300-byte stubs; with the shim
+    installed, SpecForge's own OfflineManifestReader lists them and its load_feature_file gives, file for
+    file, bit for bit, the tensors of the exported files; its EAGLE-3 normalizer and TargetHead reproduce
+    the stored argmax. Without the shim a stub is what it is (the shim changes nothing else)."""
+    from safetensors import safe_open
+    from specforge.data.preprocessing import process_offline_eagle3_sample
+    from specforge.modeling.target.target_head import TargetHead
+    from specforge.runtime.data_plane import feature_store
+    from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
+
+    from shards.specforge import install
+
+    files, stubs = tmp_path / "files", tmp_path / "stubs"
+    export(reader_run, files, "specforge", layers=[3, 15, 27])
+    res = CliRunner().invoke(cli.main, ["export", str(reader_run), str(stubs), "--format", "specforge", "--layers",
+                                        "3,15,27", "--no-states", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    names = sorted(p.relative_to(files) for p in files.rglob("*.ckpt"))
+    assert names == sorted(p.relative_to(stubs) for p in stubs.rglob("*.ckpt"))
+    assert max(p.stat().st_size for p in stubs.rglob("*.ckpt")) < 2048
+    original = feature_store.load_feature_file
+    assert "capture_in_place" in original(str(stubs / names[0]))  # no shim: a stub
+    install()
+    try:
+        refs = OfflineManifestReader(str(stubs)).read()
+        assert len(refs) == len(names)
+        head = TargetHead(str(smol_dir))
+        with safe_open(str(smol_dir / "model.safetensors"), framework="pt") as f:
+            head.fc.weight.data.copy_(f.get_tensor("model.embed_tokens.weight"))
+        rows, order = stored(reader_run), json.loads((stubs / "export.json").read_text())["sample_ids"]
+        agree = total = 0
+        for ref in refs:
+            path = ref.feature_store_uri[len("file://"):]
+            got = feature_store.load_feature_file(path)  # what its LocalFeatureStore calls
+            want = torch.load(str(files / os.path.relpath(path, stubs)), weights_only=True)
+            assert set(got) == set(want)
+            for k in want:
+                assert got[k].shape == want[k].shape and got[k].dtype == want[k].dtype, k
+                assert torch.equal(bits(got[k]) if got[k].is_floating_point() else got[k],
+                                   bits(want[k]) if want[k].is_floating_point() else want[k]), (path, k)
+            i = int(path.rsplit("data_", 1)[1].split(".")[0])
+            t, r = rows[order[i]]
+            eagle = process_offline_eagle3_sample(dict(got), max_len=4096)
+            _, target, _ = head.preprocess(eagle["input_ids"], eagle["target"], eagle["loss_mask"])
+            with torch.no_grad():
+                logits = head(target.float())
+            argmax = torch.tensor(t.column("argmax")[r].as_py())
+            agree += int((logits[0, :-1].argmax(-1) == argmax[1:]).sum())
+            total += len(argmax) - 1
+        assert agree / total >= 0.95, (agree, total)
+    finally:
+        for name in ("feature_store", "offline_reader", "disagg_ingest", "disaggregated"):
+            module = sys.modules.get(f"specforge.runtime.data_plane.{name}")
+            if module is not None and hasattr(module, "load_feature_file"):
+                module.load_feature_file = original
