@@ -379,7 +379,8 @@ def shards_verify(run_dir, as_json) -> None:
                        "not committed (a rerun of the capture captures them again)")
         if not r["rows"] and not r["removed_rows"] and not r["problems"]:
             click.echo("note: the run holds no rows (its completion record says why: `capture shards stat`)")
-        state = "complete" if r["complete"] else "incomplete (no completion record yet)"
+        state = ("complete" if r["complete"] else "incomplete (no completion record yet)") if r["readable"] else \
+            "state unknown (its manifest cannot be read)"
         verdict = "OK" if not r["problems"] else f"{len(r['problems'])} problem(s)"
         click.echo(f"{verdict}: {r['shards']} shards, {r['rows']} rows, {r['tokens']:,} tokens; run {state}")
 

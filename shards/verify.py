@@ -43,6 +43,7 @@ class Report:
     removed_rows: int = 0
     lost_shards: int = 0  # shards given up by `capture shards repair` (not committed any more): not checked
     lost_rows: int = 0
+    readable: bool = True  # False: the manifest itself could not be read (the one problem listed)
 
     @property
     def ok(self) -> bool:
@@ -58,6 +59,7 @@ def verify(run_dir: str | os.PathLike | Location) -> Report:
         m = manifest_mod.read(loc)
     except CaptureError as e:  # a damaged manifest is a finding, like a damaged shard
         report.problems.append(str(e))
+        report.readable = False
         return report
     if m.header is None:
         report.problems.append(f"{loc.path}: no manifest with a header ({loc.manifest_name})")

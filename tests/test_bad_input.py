@@ -59,7 +59,7 @@ def test_all_records_filtered_exits_non_zero_with_reasons(tmp_path, bad_jsonl):
     # a process of its own: every line the real command prints (transformers' loggers write to stderr themselves)
     proc = capture_process("run", "--out", str(out), "--dataset", str(bad_jsonl), "--min-tokens", "100000", *SMALL)
     assert proc.returncode == 2
-    assert "no records written" in proc.stderr and "under_min_tokens=4" in proc.stderr
+    assert "no records written" in proc.stderr and "under_min_tokens=5" in proc.stderr  # row 6 is kept as text now
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 

@@ -179,6 +179,8 @@ def test_a_manifest_naming_a_file_outside_the_run_is_refused_in_one_line_by_ever
         r = capture_cli("shards", *cmd[:1], str(crafted), *cmd[1:])
         assert r.returncode in (1, 2) and wanted in r.stderr + r.stdout, (cmd, r.stdout, r.stderr)
         assert "Traceback" not in r.stderr, cmd
+        if cmd == ["verify"]:
+            assert "run state unknown (its manifest cannot be read)" in r.stdout  # not "no completion record"
     for read in (lambda: next(iter(ShardStream(crafted))), lambda: next(iter_rows(crafted)),
                  lambda: manifest_mod.read(crafted)):
         with pytest.raises(CaptureError, match=wanted):
