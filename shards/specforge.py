@@ -83,12 +83,63 @@ def install() -> None:
             module.load_feature_file = load_feature_file
 
 
-def main() -> int:
-    """The ``specforge`` command with :func:`install` done first."""
+def check_trainer(folder: str, aux_layer_ids, target_model_path: str | None) -> None:
+    """Refuse, in one line, a SpecForge config that does not fit the stub folder ``folder`` (a ``capture export
+    --format specforge --no-states``): ``model.aux_hidden_state_layer_ids`` other than the stubs' taps
+    (SGLang ids k), or a target whose tokenizer is not the run's (:func:`common.hashing.tokenizer_sha256`). A
+    folder that holds no stubs (exported files) is not this shim's business."""
+    import json
+    import os
+
+    from shards import manifest as manifest_mod
+
+    try:
+        record = json.loads(open(os.path.join(folder, "export.json")).read())
+    except (OSError, ValueError):
+        return
+    plan = record.get("states")
+    if record.get("format") != "specforge" or not isinstance(plan, dict):
+        return
+    if aux_layer_ids and list(aux_layer_ids) != plan["aux"]:
+        raise CaptureError(f"model.aux_hidden_state_layer_ids {list(aux_layer_ids)} but the stubs in {folder} hold "
+                           f"the run's taps {plan['aux']} (SGLang ids); train with those or export other --layers")
+    if target_model_path and os.path.isdir(target_model_path):
+        from transformers import AutoTokenizer
+
+        from common.hashing import tokenizer_sha256
+
+        header = manifest_mod.read(plan["in_place"]).header
+        found = tokenizer_sha256(AutoTokenizer.from_pretrained(target_model_path))
+        if found != header.tokenizer_sha256:
+            raise CaptureError(f"the target {target_model_path} has another tokenizer (sha256 {found[:12]}) than the "
+                               f"run {plan['in_place']} was captured with ({header.tokenizer_sha256[:12]})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``specforge`` command with :func:`install` done first; ``specforge train -c CONFIG`` is first
+    checked against the stubs its ``data.hidden_states_path`` names (:func:`check_trainer`; one line, exit 2)."""
+    argv = sys.argv[1:] if argv is None else argv
     install()
     from specforge.cli import main as specforge_main
 
-    return specforge_main(sys.argv[1:])
+    if argv[:1] == ["train"]:
+        import argparse
+
+        from specforge.config.schema import load_config
+
+        known = argparse.ArgumentParser(add_help=False)
+        known.add_argument("-c", "--config")
+        known.add_argument("overrides", nargs="*")
+        args, _ = known.parse_known_args(argv[1:])
+        if args.config:
+            config = load_config(args.config, [o for o in args.overrides if "=" in o])
+            try:
+                check_trainer(config.data.hidden_states_path, config.model.aux_hidden_state_layer_ids,
+                              config.model.target_model_path)
+            except CaptureError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+    return specforge_main(argv)
 
 
 if __name__ == "__main__":

@@ -349,7 +349,7 @@ def test_specforge_reads_the_run_in_place_through_stub_files_and_its_shim(reader
     from specforge.runtime.data_plane import feature_store
     from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
 
-    from shards.specforge import install
+    from shards.specforge import check_trainer, install
 
     files, stubs = tmp_path / "files", tmp_path / "stubs"
     export(reader_run, files, "specforge", layers=[3, 15, 27])
@@ -389,6 +389,17 @@ def test_specforge_reads_the_run_in_place_through_stub_files_and_its_shim(reader
             agree += int((logits[0, :-1].argmax(-1) == argmax[1:]).sum())
             total += len(argmax) - 1
         assert agree / total >= 0.95, (agree, total)
+        with pytest.raises(CaptureError, match=r"aux_hidden_state_layer_ids \[3, 15\] but the stubs .* hold the run's taps \[3, 15, 27\]"):
+            check_trainer(str(stubs), [3, 15], None)
+        other = tmp_path / "tok"
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(smol_dir)
+        tok.add_tokens(["<a-token-the-run-never-saw>"])
+        tok.save_pretrained(other)
+        with pytest.raises(CaptureError, match="has another tokenizer"):
+            check_trainer(str(stubs), [3, 15, 27], str(other))
+        check_trainer(str(stubs), [3, 15, 27], str(smol_dir))  # the run's own target and taps: fine
     finally:
         for name in ("feature_store", "offline_reader", "disagg_ingest", "disaggregated"):
             module = sys.modules.get(f"specforge.runtime.data_plane.{name}")
