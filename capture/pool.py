@@ -18,6 +18,12 @@ at fault. A unit that failed ``max_attempts`` times is split in halves and retri
 failed ``max_attempts`` times is quarantined with its reason (not written; the run goes on; a rerun
 tries it again). Fatal errors are raised, not retried: CaptureError, and OSError ENOSPC (a full disk).
 
+A lost node (Ray marks it dead: a preempted machine, its raylet and every worker gone) fails its replicas
+as above; their replacements go where the live nodes have room (:meth:`RayCalls.fits`), and a slot whose
+replacement cannot be placed is dropped with a warning, the run going on with fewer replicas (the summary's
+``lost_nodes``, ``units_redone``, ``dropped``). The run's own helper actors live on the driver's node
+(:func:`capture.executor.on_driver_node`), so a lost worker node never takes one along.
+
 The pool reaches its replicas through a small calls interface: :class:`RayCalls` (Ray actors, each its
 own process; the default) or :class:`LocalCalls` (one replica in the driver's process, on a worker
 thread: no Ray daemons, no second copy of the process; what ``capture run`` uses for one HF replica on
