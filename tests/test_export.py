@@ -342,7 +342,9 @@ def test_specforge_reads_the_run_in_place_through_stub_files_and_its_shim(reader
     """issue 32: `capture export --format specforge --no-states` writes ~300-byte stubs; with the shim
     installed, SpecForge's own OfflineManifestReader lists them and its load_feature_file gives, file for
     file, bit for bit, the tensors of the exported files; its EAGLE-3 normalizer and TargetHead reproduce
-    the stored argmax. Without the shim a stub is what it is (the shim changes nothing else)."""
+    the stored argmax; its own EAGLE-3 training step on batches from the stubs gives, step for step, the
+    losses and weights it gives on the exported files. Without the shim a stub is what it is (the shim changes
+    nothing else)."""
     from safetensors import safe_open
     from specforge.data.preprocessing import process_offline_eagle3_sample
     from specforge.modeling.target.target_head import TargetHead
@@ -400,8 +402,61 @@ def test_specforge_reads_the_run_in_place_through_stub_files_and_its_shim(reader
         with pytest.raises(CaptureError, match="has another tokenizer"):
             check_trainer(str(stubs), [3, 15, 27], str(other))
         check_trainer(str(stubs), [3, 15, 27], str(smol_dir))  # the run's own target and taps: fine
+        # SpecForge's own EAGLE-3 training step (its loader, normalizer, collator, strategy, model) on batches
+        # from the stubs: the same losses and draft weights, bit for bit, as on batches from the exported files
+        from_stubs, from_files = specforge_steps(stubs, smol_dir, head), specforge_steps(files, smol_dir, head)
+        assert from_stubs[0] == from_files[0] and all(torch.isfinite(torch.tensor(from_stubs[0])))
+        assert from_stubs[0][2] < from_stubs[0][0]  # it learns: the first batch again, 2 steps later
+        assert all(torch.equal(a, b) for a, b in zip(from_stubs[1], from_files[1]))
     finally:
         for name in ("feature_store", "offline_reader", "disagg_ingest", "disaggregated"):
             module = sys.modules.get(f"specforge.runtime.data_plane.{name}")
             if module is not None and hasattr(module, "load_feature_file"):
                 module.load_feature_file = original
+
+
+def specforge_steps(folder, smol_dir, head) -> tuple[list[float], list[torch.Tensor]]:
+    """3 optimizer steps of SpecForge 0.2's offline EAGLE-3 training, built from its own parts as its trainer
+    assembles them (specforge.algorithms.eagle3: OfflineManifestReader, LocalFeatureStore + FeatureDataLoader
+    with the EAGLE-3 normalizer and collator, a 1-layer LlamaForCausalLMEagle3 draft in OnlineEagle3Model
+    under Eagle3TrainStrategy with the frozen TargetHead, bf16, AdamW) on the folder's first 4 samples cut at 128
+    tokens, 2 per batch: the first batch, the second, the first again. Its KL loss is a Triton kernel (GPU only); on CPU the step uses the same module's reference
+    implementation, ``specforge.core.loss._compute_loss``. Returns the losses and the trained weights."""
+    import specforge.algorithms.eagle3.model as eagle3_model
+    from specforge.algorithms.eagle3.data import build_offline_collator, build_offline_normalizer, build_offline_reader
+    from specforge.core import loss as specforge_loss
+    from specforge.modeling.auto import AutoDraftModel
+    from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
+    from specforge.runtime.data_plane.feature_store import LocalFeatureStore
+    from specforge.training.strategies.base import Eagle3TrainStrategy
+    from transformers import AutoConfig, LlamaConfig
+
+    reference = specforge_loss._compute_loss._torchdynamo_orig_callable  # under its @torch.compile
+    triton = eagle3_model.LogSoftmaxLoss
+    eagle3_model.LogSoftmaxLoss = types.SimpleNamespace(apply=reference)
+    try:
+        refs = build_offline_reader(str(folder), run_id="t", ttt_length=2, max_len=128).read()[:4]
+        loader = FeatureDataLoader(LocalFeatureStore(), refs=refs, batch_size=2, collate_fn=build_offline_collator(),
+                                   per_sample_transform=build_offline_normalizer(128), ack=False)
+        cfg = LlamaConfig(**{k: v for k, v in AutoConfig.from_pretrained(smol_dir).to_dict().items()
+                             if k != "architectures"})
+        cfg.update({"num_hidden_layers": 1, "architectures": ["LlamaForCausalLMEagle3"],
+                    "draft_vocab_size": cfg.vocab_size, "target_hidden_size": cfg.hidden_size})
+        torch.manual_seed(0)
+        draft = AutoDraftModel.from_config(cfg, attention_backend="sdpa")
+        draft.load_embedding(str(smol_dir))
+        draft.freeze_embedding()
+        model = eagle3_model.OnlineEagle3Model(draft_model=draft, length=2, attention_backend="sdpa").to(torch.bfloat16)
+        step = Eagle3TrainStrategy(model, target_head=head.to(torch.bfloat16))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        losses = []
+        first, second = loader
+        for batch in (first, second, first):
+            out = step.forward_loss(batch)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(out.loss.detach().item())
+        return losses, [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    finally:
+        eagle3_model.LogSoftmaxLoss = triton

@@ -84,6 +84,7 @@ def make_reference(fixture_dir, dtype):
         seen.clear()
         out = model(input_ids=torch.as_tensor(np.asarray(ids, dtype=np.int64))[None], output_hidden_states=True)
         states = {}
+        run.raw = {k: h[0] for k, h in seen.items()}  # [T, N, H] for glm5_next
         for k, h in seen.items():
             h = h[0]
             states[k] = h.mean(dim=1) if h.dim() == 3 else h  # [T, N, H] streams → [T, H]
@@ -166,6 +167,13 @@ def test_float32_engine_equals_reference(fixture_dir, reference):
             torch.testing.assert_close(cap.states[f"tap_{k}"], states[k], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(cap.states["final"], normed, rtol=1e-4, atol=1e-4)
         assert (cap.argmax == logits.argmax(-1).numpy()).all()
+        # the comparison can fail: neighbouring layers, and for glm5_next any single stream, are off the stored
+        # tap by 10x the tolerance or more (mHC has no predictable-model form: docs/conventions.md)
+        for k in LAYERS[1:]:
+            assert (states[k] - states[k - 1]).abs().max() > 1e-2, k
+        if reference.raw[0].dim() == 3:  # measured: 2.1e-3 after layer 0 (the streams start as copies), more after
+            for k in LAYERS:
+                assert min((reference.raw[k][:, n] - states[k]).abs().max() for n in range(4)) > 1e-3, k
 
 
 def test_run_header_records_glm_conventions(captured, fixture_dir):
