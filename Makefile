@@ -34,8 +34,9 @@ demo: setup
 	$(BIN)/capture shards verify $(DEMO_OUT)
 	$(BIN)/capture shards stat $(DEMO_OUT)
 
-# 2 pytest-xdist workers, one test file each at a time (tests/conftest.py: the scheduler): on this
-# 2-core VM 676 s against 937-969 s in one process (bench/test_suite.out); TEST_WORKERS=0 runs it in one process
+# 2 pytest-xdist workers, one test file each at a time, the longest first (tests/conftest.py: the scheduler); 3
+# workers were no faster on this 2-core VM (the CPU is 95-99% busy with 2: bench/test_suite.out);
+# TEST_WORKERS=0 runs it in one process
 TEST_WORKERS ?= 2
 
 test: setup

@@ -91,8 +91,12 @@ def start(cfg: RunConfig, engine: EngineSpec, progress: Progress, needs_ray: boo
     if we_started_ray:
         progress.status("starting Ray")
         # "local": a new instance even where `ray start` left a (maybe stale) /tmp/ray/ray_current_cluster
-        ray.init(address=cfg.ray_address or "local", num_cpus=None if cfg.ray_address else os.cpu_count(),
-                 include_dashboard=False, logging_level=logging.ERROR, log_to_driver=True)
+        try:
+            ray.init(address=cfg.ray_address or "local", num_cpus=None if cfg.ray_address else os.cpu_count(),
+                     include_dashboard=False, logging_level=logging.ERROR, log_to_driver=True)
+        except ConnectionError as e:  # ray.init's own words name the address and that nothing answered there
+            raise CaptureError(f"{e}: is the cluster up (`ray status --address {cfg.ray_address}`)? "
+                               "Nothing was captured") from None
     try:
         progress.feed = feed(on_driver_node())  # a lost worker node does not take it along
         resources = ray.cluster_resources()

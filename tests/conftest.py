@@ -28,6 +28,11 @@ import pytest
 
 # in-process CLI runs (capture_cli) get what capture_process gives its child: no progress bars in the output read
 os.environ.setdefault("TQDM_DISABLE", "1")
+# OpenMP threads that sleep when idle instead of spinning: the suite runs 2 xdist workers and their engines and
+# Ray replicas on 2 cores, where libgomp's default spin-wait burns the CPU the other process needs (two test
+# files side by side: 179 s spinning, 89 s passive; bench/test_suite.out). Read by libgomp when torch loads,
+# so set before any import of torch; inherited by every process a test starts. Changes no arithmetic.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 LANES = ("model", "ray", "vllm")
 
 if TYPE_CHECKING:
@@ -42,10 +47,15 @@ FIXTURE_LANES = {"smol_dir": "model", "local_ray": "ray", "ray_cluster": "ray"} 
 
 
 # `pytest -n 2` (pytest-xdist): one scope per test file, so a module's fixtures are made once, with test_topk.py
-# beside test_vllm.py (both read the session's vllm_run); xdist sends the scopes with the most tests first. (xdist's
-# own `--dist loadgroup` marks cannot do this on pytest 9: xdist 3.8 renames a node through an attribute pytest 9
-# no longer reads.) The CPU stays busy to the end: 1.3% idle over a whole run (bench/test_suite.out).
+# beside test_vllm.py (both read the session's vllm_run). The longest scopes go first (SCOPE_SECONDS, measured), the
+# rest by their number of tests, so that no long file starts last while the other worker idles. (xdist's own
+# `--dist loadgroup` marks cannot do this on pytest 9: xdist 3.8 renames a node through an attribute pytest 9 no
+# longer reads.)
 XDIST_SCOPES = {"test_topk": "test_vllm"}
+# worker-seconds per scope, `make test` 2026-12-07 (bench/test_suite.out); an order, not a budget
+SCOPE_SECONDS = {"test_online": 306, "test_vllm": 217, "test_scale": 212, "test_regenerate": 128, "test_drafter": 108,
+                 "test_run": 96, "test_conventions": 82, "test_drafter_online": 74, "test_export": 70, "test_check": 66,
+                 "test_disk_full": 46}
 
 
 def _scope(nodeid: str) -> str:
@@ -61,13 +71,26 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class FileScopes(LoadScopeScheduling):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            config.option.loadscopereorder = False  # the collection's order: pytest_collection_modifyitems
+
         def _split_scope(self, nodeid: str) -> str:
             return _scope(nodeid)
+
 
     return FileScopes(config, log)
 
 
 def pytest_collection_modifyitems(items) -> None:
+    """Marks each test with the lanes of the fixtures it uses; orders the files longest first (SCOPE_SECONDS, then
+    the number of tests), each file's tests in their own order. Every xdist worker orders its collection so,
+    and FileScopes hands out the scopes in that order."""
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[_scope(item.nodeid)] = counts.get(_scope(item.nodeid), 0) + 1
+    items.sort(key=lambda item: (-SCOPE_SECONDS.get(_scope(item.nodeid), 0), -counts[_scope(item.nodeid)],
+                                 _scope(item.nodeid)))  # stable
     for item in items:
         for fixture, lane in FIXTURE_LANES.items():
             if fixture in getattr(item, "fixturenames", ()):

@@ -125,7 +125,7 @@ def test_a_follow_trainer_whose_ack_cannot_be_written_keeps_the_checkpoint_and_a
 
 @pytest.mark.ray
 @pytest.mark.model
-def test_an_online_tee_on_a_full_disk_stops_cleanly_and_the_rerun_delivers_the_rest_once(tmp_path, sample_jsonl):
+def test_an_online_tee_on_a_full_disk_stops_cleanly_and_the_rerun_delivers_the_rest_once(tmp_path, sample_jsonl, ray_cluster):
     """`--keep` (the tee) on a 6 MiB disk: the capture stops at a commit boundary when a shard write meets
     ENOSPC, the trainer's stream ends with that one line; after the disk grows, the same trainer command
     gets exactly the rows it had not acked, and the shards hold every row once."""
@@ -137,11 +137,11 @@ def test_an_online_tee_on_a_full_disk_stops_cleanly_and_the_rerun_delivers_the_r
     from shards.stream import ShardStream
 
     tag = uuid.uuid4().hex
-    env = {**os.environ, "TQDM_DISABLE": "1", "CAPTURE_TEST_TAG": tag}
+    env = {**os.environ, "TQDM_DISABLE": "1", "CAPTURE_TEST_TAG": tag, **ray_cluster.env}  # the session's Ray
     with small_disk(tmp_path / "disk", "6m") as disk:
         out = disk / "online"
         cmd = [sys.executable, str(REPO / "tests" / "online_trainer.py"), "--out", str(out), "--dataset",
-               str(sample_jsonl), "--limit", "16", "--keep", "--disk-reserve", "0"]
+               str(sample_jsonl), "--limit", "16", "--keep", "--disk-reserve", "0", "--replicas", "1", "--ray-address", ray_cluster.address]
         try:
             first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
             assert first.returncode == 1 and "stopped cleanly: the disk at" in first.stderr, first.stderr[-2000:]
