@@ -13,6 +13,7 @@ once per worker, and a test file runs whole on one worker (:func:`pytest_xdist_m
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -78,7 +79,6 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return _scope(nodeid)
 
-
     return FileScopes(config, log)
 
 
@@ -86,11 +86,13 @@ def pytest_collection_modifyitems(items) -> None:
     """Marks each test with the lanes of the fixtures it uses; orders the files longest first (SCOPE_SECONDS, then
     the number of tests), each file's tests in their own order. Every xdist worker orders its collection so,
     and FileScopes hands out the scopes in that order."""
-    counts: dict[str, int] = {}
-    for item in items:
-        counts[_scope(item.nodeid)] = counts.get(_scope(item.nodeid), 0) + 1
-    items.sort(key=lambda item: (-SCOPE_SECONDS.get(_scope(item.nodeid), 0), -counts[_scope(item.nodeid)],
-                                 _scope(item.nodeid)))  # stable
+    counts = collections.Counter(_scope(item.nodeid) for item in items)
+
+    def longest_first(item) -> tuple:
+        scope = _scope(item.nodeid)
+        return -SCOPE_SECONDS.get(scope, 0), -counts[scope], scope
+
+    items.sort(key=longest_first)  # stable: each file's tests keep their order
     for item in items:
         for fixture, lane in FIXTURE_LANES.items():
             if fixture in getattr(item, "fixturenames", ()):

@@ -141,7 +141,8 @@ def test_an_online_tee_on_a_full_disk_stops_cleanly_and_the_rerun_delivers_the_r
     with small_disk(tmp_path / "disk", "6m") as disk:
         out = disk / "online"
         cmd = [sys.executable, str(REPO / "tests" / "online_trainer.py"), "--out", str(out), "--dataset",
-               str(sample_jsonl), "--limit", "16", "--keep", "--disk-reserve", "0", "--replicas", "1", "--ray-address", ray_cluster.address]
+               str(sample_jsonl), "--limit", "16", "--keep", "--disk-reserve", "0", "--replicas", "1",  # the fault is the disk's
+               "--ray-address", ray_cluster.address]
         try:
             first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
             assert first.returncode == 1 and "stopped cleanly: the disk at" in first.stderr, first.stderr[-2000:]
