@@ -54,9 +54,9 @@ FIXTURE_LANES = {"smol_dir": "model", "local_ray": "ray", "ray_cluster": "ray"} 
 # longer reads.)
 XDIST_SCOPES = {"test_topk": "test_vllm"}
 # worker-seconds per scope, `make test` 2026-12-07 (bench/test_suite.out); an order, not a budget
-SCOPE_SECONDS = {"test_online": 306, "test_vllm": 217, "test_scale": 212, "test_regenerate": 128, "test_drafter": 108,
-                 "test_run": 96, "test_conventions": 82, "test_drafter_online": 74, "test_export": 70, "test_check": 66,
-                 "test_disk_full": 46}
+SCOPE_SECONDS = {"test_online": 230, "test_vllm": 217, "test_cluster": 180, "test_regenerate": 128, "test_drafter": 108,
+                 "test_scale": 100, "test_run": 96, "test_conventions": 82, "test_drafter_online": 74, "test_export": 70,
+                 "test_check": 66, "test_disk_full": 46}
 
 
 def _scope(nodeid: str) -> str:
@@ -340,6 +340,7 @@ def start_ray_worker(address: str, env: dict, num_cpus: int, bind: tuple[Path, P
 class RayCluster:
     address: str  # host:port of the head's GCS, what `--ray-address` takes
     env: dict[str, str]  # what a capture process that connects by address needs in its environment
+    tag: str  # CAPTURE_TEST_TAG of the cluster's processes (its replicas included: they inherit the raylet's)
 
     @contextlib.contextmanager
     def connect(self):
@@ -367,9 +368,11 @@ class RayCluster:
 @pytest.fixture(scope="session")
 def ray_cluster() -> RayCluster:
     """One Ray head for the session (`ray start --head`, this machine's CPUs, no dashboard), for the tests whose capture
-    runs connect to it (``--ray-address``) and kill none of its own processes (a killed driver or trainer
-    is fine: the cluster outlives its drivers). Connecting costs ~1 s where a local ``ray.init`` costs ~8 s
-    with its shutdown; tests that kill a replica or a raylet start their own Ray. Token authentication as
+    runs connect to it (``--ray-address``). A killed driver or trainer is fine (the cluster outlives its drivers),
+    and so is a killed replica: the cluster is this xdist worker's, so while a test runs every replica on it
+    (every process carrying :attr:`RayCluster.tag` titled ``ray::Replica``) is that test's. Connecting costs
+    ~1 s where a local ``ray.init`` costs ~8 s with its shutdown; tests that kill a raylet or a node start
+    their own Ray (tests/test_cluster.py). Token authentication as
     Ray sets it up for a local cluster: the token in ``~/.ray/auth_token`` (made if missing), so a trainer
     rank that attaches (shards.online) needs nothing in its environment, while a capture given an address
     needs ``RAY_AUTH_MODE=token`` (:attr:`RayCluster.env`). Its processes carry a tag of their own and are
@@ -382,7 +385,7 @@ def ray_cluster() -> RayCluster:
     try:  # as many CPUs as a local ray.init gives a run (a replica's torch threads follow them)
         start = start_ray_head(port, {**os.environ, **env, "CAPTURE_TEST_TAG": tag}, num_cpus=os.cpu_count())
         assert start.returncode == 0, start.stderr[-3000:]
-        yield RayCluster(f"127.0.0.1:{port}", env)
+        yield RayCluster(f"127.0.0.1:{port}", env, tag)
     finally:
         kill_tagged(tag)
         forget_ray_head(port)

@@ -1,5 +1,6 @@
-"""Ray scale-out: two replicas, a replica killed mid-unit, a killed driver, a job submitted to a real Ray
-head with Ray's job API. Real SmolLM2, the real Open-PerfectBlend sample, real Ray processes.
+"""Ray scale-out on the session's cluster (conftest.ray_cluster): two replicas, one killed mid-unit; a killed
+driver. Real SmolLM2, the real Open-PerfectBlend sample, real Ray processes. A job submitted with Ray's job
+API and lost worker nodes: tests/test_cluster.py (a multi-node cluster).
 
 Every process a test starts carries ``CAPTURE_TEST_TAG`` in its environment (Ray's workers inherit it),
 so a test finds and kills exactly its own processes, never another Ray instance on the machine.
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, forget_ray_head, free_port, kill_tagged, start_ray_head, start_ray_worker, tagged_pids
+from conftest import REPO, kill_tagged, tagged_pids
 from shards import manifest as manifest_mod
 from shards.verify import verify
 
@@ -31,15 +32,6 @@ def tag():
     t = uuid.uuid4().hex
     yield t
     kill_tagged(t)  # whatever a killed driver or a test's Ray head left behind
-
-
-@pytest.fixture
-def ray_head_port():
-    """A free port for a test's `ray start --head`; afterwards the address file `ray start` leaves in
-    /tmp/ray is removed when it names this head (`ray stop` would stop every Ray on the machine)."""
-    port = free_port()
-    yield port
-    forget_ray_head(port)
 
 
 def run_cmd(out: Path, sample: Path, *extra: str) -> list[str]:
@@ -79,11 +71,14 @@ def kill_a_busy_replica(proc: subprocess.Popen, tag: str, title: str = "ray::Rep
     return None
 
 
-def test_replica_killed_mid_unit_run_completes_exactly_once(tmp_path, sample_jsonl, tag):
+def test_replica_killed_mid_unit_run_completes_exactly_once(tmp_path, sample_jsonl, tag, ray_cluster):
+    """One of two replicas on the session's cluster SIGKILLed half a second into a unit: it is replaced, its
+    unit redone, every row committed exactly once."""
     out = tmp_path / "run"
-    proc = subprocess.Popen(run_cmd(out, sample_jsonl, "--replicas", "2", "--cpus-per-replica", "1"), cwd=REPO,
-                            env=env_for(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    killed = kill_a_busy_replica(proc, tag)
+    proc = subprocess.Popen(run_cmd(out, sample_jsonl, "--replicas", "2", "--cpus-per-replica", "1", "--ray-address",
+                                    ray_cluster.address), cwd=REPO, env=env_for(tag, ray_cluster),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = kill_a_busy_replica(proc, ray_cluster.tag)
     stdout, stderr = proc.communicate(timeout=600)
     assert killed is not None, "no replica was ever seen processing a unit"
     assert proc.returncode == 0, stderr[-3000:]
@@ -100,10 +95,14 @@ def test_replica_killed_mid_unit_run_completes_exactly_once(tmp_path, sample_jso
     assert_exactly_once(out)
 
 
-def test_driver_killed_then_rerun_completes_exactly_once(tmp_path, sample_jsonl, tag):
+def test_driver_killed_then_rerun_completes_exactly_once(tmp_path, sample_jsonl, tag, ray_cluster):
+    """The driver of a 2-replica run on the session's cluster SIGKILLed after its first commit: Ray ends the
+    job's replicas with it (none is left to write into the run), and the same command resumes, every row
+    exactly once. (The in-process executor's driver: tests/test_run.py::test_sigkill_mid_run_then_rerun_is_exactly_once.)"""
     out = tmp_path / "run"
-    cmd = run_cmd(out, sample_jsonl)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env_for(tag), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = run_cmd(out, sample_jsonl, "--replicas", "2", "--cpus-per-replica", "1", "--ray-address", ray_cluster.address)
+    env = env_for(tag, ray_cluster)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while not manifest_mod.read(out).shards and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
@@ -112,8 +111,12 @@ def test_driver_killed_then_rerun_completes_exactly_once(tmp_path, sample_jsonl,
     proc.kill()  # SIGKILL: no cleanup, no completion record
     proc.wait()
     assert not manifest_mod.read(out).complete
+    deadline = time.monotonic() + 60
+    while tagged_pids(ray_cluster.tag, "ray::Replica") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not tagged_pids(ray_cluster.tag, "ray::Replica"), "a replica outlived its killed driver by 60 s"
 
-    again = subprocess.run(cmd, cwd=REPO, env=env_for(tag), capture_output=True, text=True, timeout=600)
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     summary = json.loads(again.stdout)
     assert summary["already_committed"] == committed
@@ -121,64 +124,3 @@ def test_driver_killed_then_rerun_completes_exactly_once(tmp_path, sample_jsonl,
     assert_exactly_once(out)
 
 
-def test_ray_job_submit_two_replicas(tmp_path, sample_jsonl, tag, ray_head_port):
-    """The README's cluster recipe: `ray start --head`, then `ray job submit -- capture run --ray-address auto`."""
-    port, dash = ray_head_port, free_port()
-    # Ray >= 2.59 authenticates local clusters with a token: the head and `ray job submit` share one
-    env = {**env_for(tag), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex}
-    ray_bin = str(Path(sys.executable).with_name("ray"))
-    start = start_ray_head(port, env, dashboard_port=dash)
-    assert start.returncode == 0, start.stderr[-3000:]
-    out = tmp_path / "run"
-    cmd = run_cmd(out, sample_jsonl, "--replicas", "2", "--cpus-per-replica", "1", "--ray-address", "auto")
-    deadline = time.monotonic() + 120
-    while True:  # the head's job agent comes up a few seconds after `ray start` returns
-        job = subprocess.run([ray_bin, "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--", *cmd],
-                             env=env, capture_output=True, text=True, timeout=900)
-        if "No available agent" not in job.stderr or time.monotonic() > deadline:
-            break
-        time.sleep(3)
-    assert job.returncode == 0, (job.stdout + job.stderr)[-3000:]
-    logs = job.stdout
-    assert "succeeded" in logs
-    summary = json.JSONDecoder().raw_decode(logs[logs.rfind("\n{\n") + 1:])[0]  # the run's JSON summary
-    assert [r["replica"] for r in summary["replicas"]] == [0, 1]
-    assert all(r["units"] > 0 for r in summary["replicas"])  # both replicas took work
-    assert_exactly_once(out)
-
-
-def test_a_lost_worker_node_leaves_the_run_to_the_nodes_that_remain(tmp_path, sample_jsonl, tag, ray_head_port):
-    """A real multi-node cluster on this machine: a head without CPUs (the driver's node: the progress feed
-    lives there) and two worker nodes of 1 CPU, one replica each. Worker node A is SIGKILLed whole (raylet
-    and every worker) while its replica runs a unit: its replica cannot be placed again (B is full), so the
-    run drops it with a warning and completes on B, every row exactly once; the summary names the node."""
-    port = ray_head_port
-    env = {**env_for(tag), "RAY_AUTH_MODE": "token"}
-    ray_bin = str(Path(sys.executable).with_name("ray"))
-    subprocess.run([ray_bin, "get-auth-token", "--generate"], capture_output=True, timeout=120, check=True)
-    assert start_ray_head(port, env, num_cpus=0).returncode == 0
-    node_a = f"{tag}-a"  # a tag of its own: kill_tagged(node_a) is the whole node
-    for node in (node_a, tag):
-        started = start_ray_worker(f"127.0.0.1:{port}", {**env, "CAPTURE_TEST_TAG": node}, 1)
-        assert started.returncode == 0, started.stderr[-2000:]
-    out = tmp_path / "run"
-    proc = subprocess.Popen(run_cmd(out, sample_jsonl, "--replicas", "2", "--cpus-per-replica", "1", "--ray-address",
-                                    f"127.0.0.1:{port}"), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not tagged_pids(node_a, "ray::Replica.process") and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert tagged_pids(node_a, "ray::Replica.process"), "node A's replica was never seen running a unit"
-        time.sleep(0.5)  # inside the unit
-        kill_tagged(node_a)
-        stdout, stderr = proc.communicate(timeout=600)
-    finally:
-        kill_tagged(node_a)
-    assert proc.returncode == 0, stderr[-3000:]
-    assert "Traceback" not in stderr
-    summary = json.loads(stdout)
-    lost = [r for r in summary["replicas"] if r["lost_nodes"]]
-    assert len(lost) == 1 and "no live node had room" in lost[0]["dropped"] and lost[0]["units_redone"] >= 1
-    assert "no live node has room to replace it: going on with 1 replica(s)" in stderr
-    assert_exactly_once(out)

@@ -1,0 +1,136 @@
+"""A real multi-node Ray cluster on this machine, as a cluster user starts one: a head with no CPU (the
+driver's node: the progress feed and online queues live there; its dashboard takes `ray job submit`) and
+1-CPU worker nodes joined with `ray start --address`. Node B lives for the module; each test starts its own
+node A (a tag of its own, so that :func:`conftest.kill_tagged` takes the whole node down, raylet and every
+worker, as a lost machine) and kills it at the end. Real SmolLM2, the real Open-PerfectBlend sample.
+One cluster for the module saves a head and a node start per test (~10-20 s each on 2 cores)."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, forget_ray_head, free_port, kill_tagged, start_ray_head, start_ray_worker, tagged_pids
+from test_online import LIMIT as ONLINE_LIMIT, all_ids, assert_tee, lines_of
+from test_scale import assert_exactly_once, env_for, run_cmd
+
+pytestmark = [pytest.mark.ray, pytest.mark.model]  # real Ray nodes and replicas of SmolLM2
+
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    address: str  # the head's GCS, host:port
+    dashboard: str  # the head's job API, http://host:port
+    env: dict[str, str]  # a driver's environment: token authentication, the cluster's tag
+    tag: str  # CAPTURE_TEST_TAG of the head and node B
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head (0 CPUs, dashboard) and worker node B (1 CPU) for the module; Ray's token authentication with the
+    token file ``ray get-auth-token --generate`` leaves in ~/.ray (what `ray job submit` and an attaching
+    trainer rank read). Killed at the end of the module."""
+    tag, port, dash = uuid.uuid4().hex, free_port(), free_port()
+    env = {**env_for(tag), "RAY_AUTH_MODE": "token"}
+    try:
+        subprocess.run([RAY, "get-auth-token", "--generate"], capture_output=True, timeout=120, check=True)
+        head = start_ray_head(port, env, num_cpus=0, dashboard_port=dash)
+        assert head.returncode == 0, head.stderr[-3000:]
+        node_b = start_ray_worker(f"127.0.0.1:{port}", env, 1)
+        assert node_b.returncode == 0, node_b.stderr[-3000:]
+        yield Cluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", env, tag)
+    finally:
+        kill_tagged(tag)
+        forget_ray_head(port)
+
+
+@pytest.fixture
+def node_a(cluster):
+    """A 1-CPU worker node of this test's own, joined to ``cluster``: its tag (every process of the node
+    carries it). Killed at the end of the test, if the test has not lost it already."""
+    node = f"{cluster.tag}-a-{uuid.uuid4().hex[:8]}"
+    try:
+        started = start_ray_worker(cluster.address, {**cluster.env, "CAPTURE_TEST_TAG": node}, 1)
+        assert started.returncode == 0, started.stderr[-2000:]
+        yield node
+    finally:
+        kill_tagged(node)
+
+
+def lose_node_mid_unit(proc: subprocess.Popen, node: str, title: str) -> None:
+    """SIGKILL every process of ``node`` half a second after its replica (Ray's process title ``title``) is
+    seen running a unit, while ``proc`` runs; fails the test if that is never seen within 300 s."""
+    deadline = time.monotonic() + 300
+    while not tagged_pids(node, title) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not tagged_pids(node, title):
+        proc.kill()
+        pytest.fail(f"node A's replica was never seen running a unit ({title}): {proc.communicate()[1][-3000:]}")
+    time.sleep(0.5)  # inside the unit
+    kill_tagged(node)
+
+
+def test_ray_job_submit_two_replicas(tmp_path, sample_jsonl, cluster, node_a):
+    """The README's cluster recipe: `ray start --head`, workers, then `ray job submit -- capture run --ray-address
+    auto`: the entrypoint runs on the head, one replica on each worker node."""
+    out = tmp_path / "run"
+    cmd = run_cmd(out, sample_jsonl, "--replicas", "2", "--cpus-per-replica", "1", "--ray-address", "auto")
+    deadline = time.monotonic() + 120
+    while True:  # the head's job agent comes up a few seconds after `ray start` returns
+        job = subprocess.run([RAY, "job", "submit", "--address", cluster.dashboard, "--", *cmd], env=cluster.env,
+                             capture_output=True, text=True, timeout=900)
+        if "No available agent" not in job.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(3)
+    assert job.returncode == 0, (job.stdout + job.stderr)[-3000:]
+    logs = job.stdout
+    assert "succeeded" in logs
+    summary = json.JSONDecoder().raw_decode(logs[logs.rfind("\n{\n") + 1:])[0]  # the run's JSON summary
+    assert [r["replica"] for r in summary["replicas"]] == [0, 1]
+    assert all(r["units"] > 0 for r in summary["replicas"])  # both replicas took work
+    assert_exactly_once(out)
+
+
+def test_a_lost_worker_node_leaves_the_run_to_the_nodes_that_remain(tmp_path, sample_jsonl, cluster, node_a):
+    """Worker node A is SIGKILLed whole (raylet and every worker) while its replica runs a unit: its replica
+    cannot be placed again (B is full, the head has no CPU), so the run drops it with a warning and completes
+    on B, every row exactly once; the summary names the node. (The other replica may list a node too: the
+    previous test's node A, lost at its end, may not be marked dead yet when this run places a replica on it,
+    which then dies while starting and is placed again.)"""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(run_cmd(out, sample_jsonl, "--replicas", "2", "--cpus-per-replica", "1", "--ray-address",
+                                    cluster.address), cwd=REPO, env=cluster.env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    lose_node_mid_unit(proc, node_a, "ray::Replica.process")
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr
+    summary = json.loads(stdout)
+    (dropped,) = [r for r in summary["replicas"] if r["dropped"]]
+    assert "no live node had room" in dropped["dropped"] and dropped["lost_nodes"] and dropped["units_redone"] >= 1
+    assert "no live node has room to replace it: going on with 1 replica(s)" in stderr
+    assert_exactly_once(out)
+
+
+def test_a_lost_worker_node_online_delivers_every_row_once(tmp_path, sample_jsonl, cluster, node_a):
+    """The lost node, online with --keep (tests/online_trainer.py: the trainer's queue lives on the head).
+    The trainer gets every row once, the tee's shards verify, the summary names the lost node."""
+    out = tmp_path / "online"
+    cmd = [sys.executable, str(REPO / "tests" / "online_trainer.py"), "--out", str(out), "--dataset", str(sample_jsonl),
+           "--limit", str(ONLINE_LIMIT), "--keep", "--ray-address", cluster.address]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lose_node_mid_unit(proc, node_a, "ray::Replica.process_with_payload")
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    rows, end = lines_of(stdout)
+    assert sorted(r["id"] for r in rows) == all_ids()  # none lost, none twice
+    (dropped,) = [r for r in end["summary"]["replicas"] if r["dropped"]]
+    assert dropped["lost_nodes"] and dropped["units_redone"] >= 1
+    assert_tee(out)
