@@ -17,6 +17,7 @@ import collections
 import contextlib
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -410,13 +411,32 @@ def small_disk(path: Path, size: str):
         subprocess.run(["umount", "--lazy", str(path)], check=False, timeout=30)  # Ray workers may still be exiting
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """Folder ``name``/run, made by ``build(run)`` once per test session: under `pytest -n N` every xdist worker
+    gets the same folder (the first to take the lock builds it, the others wait and read it), so a captured run
+    that tests on both workers read is captured once. For read-only runs (their tests write nothing into them)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # pytest-N/popen-gwK: pytest-N is this session's, shared by its workers
+    folder = base / "built-once" / name
+    folder.parent.mkdir(exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        if not (folder / "built").exists():  # not there, or left half-built by a worker that failed
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder / "run")
+            (folder / "built").touch()
+    return folder / "run"
+
+
 @pytest.fixture(scope="session")
 def reader_run(tmp_path_factory, smol_dir) -> Path:
     """A real run for the reader tests: the first 60 ShareGPT rows (~40 kept) through SmolLM2 (taps 3/15/27, post-norm final,
-    argmax), truncated to 256 tokens, in several small shards (~20 s on 2 cores)."""
-    out = tmp_path_factory.mktemp("reader") / "run"
-    capture_cli("run", *READER_RUN, "--out", str(out), check=True)
-    return out
+    argmax), truncated to 256 tokens, in several small shards (~20 s on 2 cores); built once (:func:`built_once`)."""
+    return built_once(tmp_path_factory, "reader",
+                      lambda out: capture_cli("run", *READER_RUN, "--out", str(out), check=True))
 
 
 READER_RUN = ("--target", "smollm2-135m", "--dataset", "sharegpt", "--layers", "3,15,27", "--final", "post-norm",
@@ -427,12 +447,11 @@ READER_RUN = ("--target", "smollm2-135m", "--dataset", "sharegpt", "--layers", "
 @pytest.fixture(scope="session")
 def prenorm_run(tmp_path_factory, smol_dir) -> Path:
     """A real run with the pre-norm final state (what speculators' trainer expects): the first 16 ShareGPT
-    rows through SmolLM2, taps 3/15/27, ``--final pre-norm``, argmax, truncated to 256 tokens (~15 s)."""
-    out = tmp_path_factory.mktemp("prenorm") / "run"
-    capture_cli("run", "--target", "smollm2-135m", "--dataset", "sharegpt", "--layers", "3,15,27", "--final",
-                "pre-norm", "--limit", "16", "--max-tokens", "256", "--overlength", "truncate", "--out", str(out),
-                "--no-progress", check=True)
-    return out
+    rows through SmolLM2, taps 3/15/27, ``--final pre-norm``, argmax, truncated to 256 tokens (~15 s); built once."""
+    return built_once(tmp_path_factory, "prenorm", lambda out: capture_cli(
+        "run", "--target", "smollm2-135m", "--dataset", "sharegpt", "--layers", "3,15,27", "--final", "pre-norm",
+        "--limit", "16", "--max-tokens", "256", "--overlength", "truncate", "--out", str(out), "--no-progress",
+        check=True))
 
 
 @pytest.fixture(scope="session")

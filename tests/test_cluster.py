@@ -1,12 +1,15 @@
 """A real multi-node Ray cluster on this machine, as a cluster user starts one: a head with no CPU (the
 driver's node: the progress feed and online queues live there; its dashboard takes `ray job submit`) and
-1-CPU worker nodes joined with `ray start --address`. Node B lives for the module; each test starts its own
-node A (a tag of its own, so that :func:`conftest.kill_tagged` takes the whole node down, raylet and every
+worker nodes joined with `ray start --address`: a job submitted with Ray's job API, a lost worker node
+(offline and online), a worker node that holds another model. Node B (1 CPU) lives for the module; each test
+starts its own node A (a tag of its own, so that :func:`conftest.kill_tagged` takes the whole node down, raylet and every
 worker, as a lost machine) and kills it at the end. Real SmolLM2, the real Open-PerfectBlend sample.
 One cluster for the module saves a head and a node start per test (~10-20 s each on 2 cores)."""
 
 import dataclasses
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -134,3 +137,34 @@ def test_a_lost_worker_node_online_delivers_every_row_once(tmp_path, sample_json
     (dropped,) = [r for r in end["summary"]["replicas"] if r["dropped"]]
     assert dropped["lost_nodes"] and dropped["units_redone"] >= 1
     assert_tee(out)
+
+
+def test_a_worker_node_with_another_model_config_stops_the_run_before_any_row(tmp_path, smol_dir, sample_jsonl,
+                                                                                cluster):
+    """A 2-CPU worker node whose processes see a copy of SmolLM2's folder with another config.json at the same
+    path (a mount namespace of its own, as a node set up by hand would). The one replica asks for 2 CPUs, which
+    only that node has: it lands there, refuses, and the run ends with exit 2, one line, and no shard
+    committed (issue 33 part 3; the fingerprint itself: tests/test_identity.py)."""
+    other = smol_dir.parent / f".mismatch-{uuid.uuid4().hex[:8]}"  # beside it: hard links to the same weights
+    other.mkdir()
+    node = f"{cluster.tag}-m-{uuid.uuid4().hex[:8]}"
+    try:
+        for f in smol_dir.iterdir():
+            os.link(f, other / f.name) if f.name != "config.json" else None
+        config = json.loads((smol_dir / "config.json").read_text())
+        (other / "config.json").write_text(json.dumps({**config, "edited_by_hand": True}))  # still loads
+        started = start_ray_worker(cluster.address, {**cluster.env, "CAPTURE_TEST_TAG": node}, 2, bind=(other, smol_dir))
+        assert started.returncode == 0, started.stderr[-2000:]
+        out = tmp_path / "run"
+        proc = subprocess.run([sys.executable, "-m", "cli", "run", "--out", str(out), "--dataset", str(sample_jsonl),
+                               "--limit", "4", "--max-tokens", "128", "--overlength", "truncate", "--no-progress",
+                               "--ray-address", cluster.address, "--replicas", "1", "--cpus-per-replica", "2"],
+                              cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "config.json differ; it wrote nothing" in errors[0], proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr
+        assert not list(out.glob("shard-*.arrow")) and '"kind": "shard"' not in (out / "manifest.jsonl").read_text()
+    finally:
+        kill_tagged(node)
+        shutil.rmtree(other, ignore_errors=True)

@@ -18,7 +18,7 @@ import yaml
 from safetensors.torch import load_file
 
 import helpers
-from conftest import REPO, capture_cli, capture_inproc, free_port
+from conftest import REPO, built_once, capture_cli, capture_inproc, free_port
 from drafter import blocks, checkpoint, data, evaluate, metrics
 from drafter.config import TrainConfig
 from drafter.model import Drafter, ModelConfig
@@ -240,9 +240,10 @@ def _capture(out, *extra):
 
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory, smol_dir):
-    # --topk 8: the KL option trains on the stored top-K; everything else ignores it
-    return _capture(tmp_path_factory.mktemp("drafter") / "run", "--dataset", "sharegpt", "--limit", "24",
-                    "--topk", "8")
+    """24 ShareGPT rows through SmolLM2 (``_capture``'s settings); --topk 8: the KL option trains on the stored
+    top-K, everything else ignores it. Built once (conftest.built_once): tests/test_drafter_online.py reads it too."""
+    return built_once(tmp_path_factory, "drafter-small",
+                      lambda out: _capture(out, "--dataset", "sharegpt", "--limit", "24", "--topk", "8"))
 
 
 def test_adapter_matches_the_reader(small_run):
