@@ -123,13 +123,16 @@ def test_replica_killed_mid_unit_online_delivers_exactly_once(tmp_path, sample_j
     assert_tee(out)
 
 
-@pytest.mark.parametrize("keep", [False, True], ids=["no-shards", "keep"])
+@pytest.mark.parametrize("keep", [False, True], ids=["no-shards-self-distillation", "keep"])
 def test_trainer_killed_after_a_checkpoint_resumes_exactly_once(tmp_path, sample_jsonl, tag, keep, ray_cluster):
     """The trainer acks every 2 samples and dies hard after acking 6; the restarted trainer (a new online
     capture of the same run folder) gets exactly the other rows: without shards they are captured again,
-    with --keep the committed ones come from the shards and the rest are captured."""
+    with --keep the committed ones come from the shards and the rest are captured. The run without shards
+    is a self-distillation one (--responses regenerate online, one capture serving both checks): the
+    replicas generate the last answer (at most 8 tokens) before they capture, the rows arrive with exactly
+    the generated tokens supervised, and provenance.json records the complete invocation."""
     out = tmp_path / "online"
-    tee = ["--keep"] if keep else []
+    tee = ["--keep"] if keep else ["--regenerate", "8"]
     one = ["--replicas", "1"]  # the fault is the trainer's: one replica is enough
     first = trainer(out, sample_jsonl, tag, "--ack-every", "2", "--crash-after", "6", *tee, *one, cluster=ray_cluster)
     stdout, stderr = first.communicate(timeout=600)
@@ -148,26 +151,15 @@ def test_trainer_killed_after_a_checkpoint_resumes_exactly_once(tmp_path, sample
     if keep:  # the shards hold every row once; this run captured only what the first had not committed
         assert_tee(out)
         assert end["summary"]["already_committed"] + end["summary"]["committed_rows"] == LIMIT
+        assert manifest_mod.read(out).completions[-1]["online"] == "tee"
     else:  # nothing on disk but the log: no shard, the manifest complete, every row acked
         assert end["summary"]["already_committed"] == 6 and end["summary"]["committed_rows"] == LIMIT - 6
         assert end["summary"]["shards"] == 0 and not list(out.glob("*.arrow"))
         m = manifest_mod.read(out)
         assert m.complete and m.all_shards == [] and live.acked_ids(as_location(out)) == set(all_ids())
-
-
-def test_self_distillation_online(tmp_path, sample_jsonl, tag, ray_cluster):
-    """--responses regenerate online: the replicas generate the last answer (at most 8 tokens) before they
-    capture, the rows arrive with exactly the generated tokens supervised, and provenance.json is written."""
-    out = tmp_path / "online"
-    proc = trainer(out, sample_jsonl, tag, "--regenerate", "8", "--replicas", "1", cluster=ray_cluster)
-    stdout, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 0, stderr[-3000:]
-    rows, end = lines_of(stdout)
-    assert rows and len(rows) == end["summary"]["committed_rows"]
-    assert all(1 <= r["loss_tokens"] <= 8 for r in rows)
-    assert manifest_mod.read(out).header.mode == "regenerate"
-    assert json.loads((out / "provenance.json").read_text())["invocations"][-1]["status"] == "complete"
-    assert manifest_mod.read(out).completions[-1]["online"] == "deliver"
+        assert m.header.mode == "regenerate" and m.completions[-1]["online"] == "deliver"
+        assert all(1 <= r["loss_tokens"] <= 8 for r in rows)
+        assert json.loads((out / "provenance.json").read_text())["invocations"][-1]["status"] == "complete"
 
 
 def test_attach_refuses_in_one_line(tmp_path, reader_run):
