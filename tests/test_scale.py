@@ -31,7 +31,7 @@ SAMPLE_NAME = "open-perfectblend-sample.jsonl"
 def tag():
     t = uuid.uuid4().hex
     yield t
-    kill_tagged(t)  # whatever a killed driver or a test's Ray head left behind
+    kill_tagged(t)  # whatever a killed driver left behind
 
 
 def run_cmd(out: Path, sample: Path, *extra: str) -> list[str]:
