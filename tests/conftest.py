@@ -55,7 +55,7 @@ FIXTURE_LANES = {"smol_dir": "model", "local_ray": "ray", "ray_cluster": "ray"} 
 # longer reads.)
 XDIST_SCOPES = {"test_topk": "test_vllm"}
 # worker-seconds per scope, `make test` 2026-12-07 (bench/test_suite.out); an order, not a budget
-SCOPE_SECONDS = {"test_vllm": 215, "test_online": 190, "test_cluster": 185, "test_regenerate": 122, "test_drafter": 103,
+SCOPE_SECONDS = {"test_vllm": 215, "test_cluster": 150, "test_online": 150, "test_regenerate": 122, "test_drafter": 103,
                  "test_scale": 100, "test_run": 93, "test_conventions": 73, "test_export": 72, "test_check": 70,
                  "test_disk_full": 52, "test_drafter_online": 49}
 

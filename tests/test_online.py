@@ -1,7 +1,7 @@
 """Online runs (capture.online, shards.online): rows from live Ray replicas straight to a trainer, never to
 disk. Real SmolLM2, the real Open-PerfectBlend sample, real Ray processes; the trainer is
-tests/online_trainer.py in a process of its own, tagged like tests/test_scale.py's so that a test kills
-exactly its own replica or trainer."""
+tests/online_trainer.py in a process of its own. The replicas run on the session's cluster
+(conftest.ray_cluster: every replica on it is the running test's, so a test kills exactly its own)."""
 
 import json
 import subprocess
@@ -39,17 +39,19 @@ def lines_of(stdout: str) -> tuple[list[dict], dict | None]:
     return [r for r in rows if "id" in r], summary
 
 
-def test_online_rows_equal_an_offline_run_bit_for_bit(tmp_path, sample_jsonl, tag, ray_cluster):
+def test_online_rows_equal_an_offline_run_bit_for_bit_through_a_replica_kill(tmp_path, sample_jsonl, tag, ray_cluster):
     """The same rows captured offline (one replica in the driver's process with 1 CPU thread, as each online
     replica has; tests/test_run.py shows Ray and in-process replicas write identical shards) and online with
-    --keep for 2 trainer ranks (2 Ray replicas): the same ids, each exactly once, with bit-identical input
-    ids, taps, final state and argmax. Rank 0 reads in the capture's process, rank 1 in a process of its own
-    that attaches by the run folder (nothing about the cluster in its environment: the endpoint and Ray's
-    local token file are enough) and decodes in 2 spawned DataLoader workers. Every row reaches exactly one
-    rank, bit for bit as offline and as the tee's shards hold it; both workers get rows and both stop at the
-    end; the capture's process waits for the attached rank's acks before it closes the queues. A DataLoader
-    worker forked from the capture's (Ray-connected) process is refused in one line before it takes a unit.
-    (One online capture serves both; an online run without shards leaves none: the trainer-killed test.)"""
+    --keep for 2 trainer ranks from 2 Ray replicas, one of which is SIGKILLed half a second into a unit: the
+    same ids, each exactly once, with bit-identical input ids, taps, final state and argmax. The dead
+    replica's unit is redone (one restart) and the rows of its open shard are captured again for the shards
+    but not sent to a rank twice. Rank 0 reads in the capture's process, rank 1 in a process of its own that
+    attaches by the run folder (nothing about the cluster in its environment: the endpoint and Ray's local
+    token file are enough) and decodes in 2 spawned DataLoader workers. Every row reaches exactly one rank,
+    bit for bit as offline and as the tee's shards hold it; both workers get rows and both stop at the end;
+    the capture's process waits for the attached rank's acks before it closes the queues. A DataLoader worker
+    forked from the capture's (Ray-connected) process is refused in one line before it takes a unit. (One
+    online capture serves all of this; an online run without shards leaves none: the trainer-killed test.)"""
     offline = tmp_path / "offline"
     capture_process("run", "--target", "smollm2-135m", "--dataset", str(sample_jsonl), "--layers", "3,15", "--final",
                     "post-norm", "--limit", str(LIMIT), "--max-tokens", "256", "--overlength", "truncate", "--executor",
@@ -65,6 +67,7 @@ def test_online_rows_equal_an_offline_run_bit_for_bit(tmp_path, sample_jsonl, ta
                              cwd=REPO, env=without_ray_auth(env_for(tag)), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     rank0 = trainer(tee, sample_jsonl, tag, "--world-size", "2", "--keep", "--try-fork", cluster=ray_cluster)
+    killed = kill_a_busy_replica(rank0, ray_cluster.tag, "ray::Replica.process_with_payload")
     stdout0, stderr0 = rank0.communicate(timeout=600)
     stdout1, stderr1 = rank1.communicate(timeout=600)
     assert rank0.returncode == 0, stderr0[-3000:]
@@ -84,6 +87,9 @@ def test_online_rows_equal_an_offline_run_bit_for_bit(tmp_path, sample_jsonl, ta
     assert json.loads(stdout1.splitlines()[-1]) == {"attached": 1, "rows": len(rows1)}
     assert live.acked_ids(as_location(tee)) == set(all_ids())
     assert end["summary"]["committed_rows"] == LIMIT
+    assert killed is not None, "no replica was ever seen processing a unit"
+    assert sum(r["restarts"] for r in end["summary"]["replicas"]) == 1
+    assert [f for r in end["summary"]["replicas"] for f in r["failures"]] == ["replica process died"]
     assert_tee(tee)
     assert manifest_mod.read(tee).completions[-1]["online"] == "tee"
 
@@ -102,25 +108,6 @@ def assert_tee(out) -> None:
     report = verify(out)
     assert report.ok and report.complete and report.rows == LIMIT, report.problems
     assert sorted(s["sample_id"] for s in ShardStream(out)) == all_ids()
-
-
-def test_replica_killed_mid_unit_online_delivers_exactly_once(tmp_path, sample_jsonl, tag, ray_cluster):
-    """One of two replicas on the session's cluster killed mid-unit: its unit is redone, the trainer gets every
-    row once, and with --keep (the harder case, so the one tested) the rows of the dead replica's open shard
-    are captured again for the shards but not sent to the trainer twice."""
-    out = tmp_path / "online"
-    proc = trainer(out, sample_jsonl, tag, "--keep", cluster=ray_cluster)
-    killed = kill_a_busy_replica(proc, ray_cluster.tag, "ray::Replica.process_with_payload")
-    stdout, stderr = proc.communicate(timeout=600)
-    assert killed is not None, "no replica was ever seen processing a unit"
-    assert proc.returncode == 0, stderr[-3000:]
-    rows, end = lines_of(stdout)
-    ids = [r["id"] for r in rows]
-    assert sorted(ids) == all_ids()  # none lost, none twice
-    s = end["summary"]
-    assert sum(r["restarts"] for r in s["replicas"]) == 1
-    assert [f for r in s["replicas"] for f in r["failures"]] == ["replica process died"]
-    assert_tee(out)
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["no-shards-self-distillation", "keep"])
