@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from shards.rows import Row
 
 REPO = Path(__file__).resolve().parents[1]
+RAY_BIN = str(Path(sys.executable).with_name("ray"))  # the venv's `ray` command
 SHARED_SAMPLE = REPO.parent / "shared" / "data" / "open-perfectblend-sample.jsonl"
 
 
@@ -313,10 +314,9 @@ def start_ray_head(port: int, env: dict, *, num_cpus: int = 2,
     """`ray start --head` on ``port`` with ``num_cpus`` CPUs, every other fixed default port picked free
     (another Ray on this machine may hold them); the dashboard and its job agent only when
     ``dashboard_port`` is given."""
-    ray_bin = str(Path(sys.executable).with_name("ray"))
     dashboard = (["--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port), "--include-dashboard",
                   "true"] if dashboard_port else ["--include-dashboard", "false"])
-    return subprocess.run([ray_bin, "start", "--head", "--port", str(port), "--num-cpus", str(num_cpus), *dashboard,
+    return subprocess.run([RAY_BIN, "start", "--head", "--port", str(port), "--num-cpus", str(num_cpus), *dashboard,
                            *(a for flag in ("--ray-client-server-port", "--dashboard-agent-listen-port",
                                             "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
                                             "--metrics-export-port") for a in (flag, str(free_port()))),
@@ -329,8 +329,7 @@ def start_ray_worker(address: str, env: dict, num_cpus: int, bind: tuple[Path, P
     (``CAPTURE_TEST_TAG``: :func:`kill_tagged` takes the whole node down, raylet and workers, as a lost
     machine would). ``bind``: ``(source, target)``: the node's processes see folder ``source`` at path
     ``target`` (a mount namespace of its own: a node whose disk holds other files at the same path)."""
-    ray_bin = str(Path(sys.executable).with_name("ray"))
-    cmd = [ray_bin, "start", "--address", address, "--num-cpus", str(num_cpus), "--disable-usage-stats"]
+    cmd = [RAY_BIN, "start", "--address", address, "--num-cpus", str(num_cpus), "--disable-usage-stats"]
     if bind is not None:
         cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"',
                "sh", str(bind[0]), str(bind[1]), *cmd]
@@ -342,6 +341,7 @@ class RayCluster:
     address: str  # host:port of the head's GCS, what `--ray-address` takes
     env: dict[str, str]  # what a capture process that connects by address needs in its environment
     tag: str  # CAPTURE_TEST_TAG of the cluster's processes (its replicas included: they inherit the raylet's)
+    dashboard: str | None = None  # the head's job API (http://host:port) when it runs one: `ray job submit --address`
 
     @contextlib.contextmanager
     def connect(self):
@@ -379,8 +379,7 @@ def ray_cluster() -> RayCluster:
     needs ``RAY_AUTH_MODE=token`` (:attr:`RayCluster.env`). Its processes carry a tag of their own and are
     killed at the end of the session."""
     tag, port = uuid.uuid4().hex, free_port()
-    ray_bin = str(Path(sys.executable).with_name("ray"))
-    token = subprocess.run([ray_bin, "get-auth-token", "--generate"], capture_output=True, text=True, timeout=120)
+    token = subprocess.run([RAY_BIN, "get-auth-token", "--generate"], capture_output=True, text=True, timeout=120)
     assert token.returncode == 0, token.stderr[-3000:]
     env = {"RAY_AUTH_MODE": "token"}
     try:  # as many CPUs as a local ray.init gives a run (a replica's torch threads follow them)

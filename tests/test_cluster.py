@@ -8,7 +8,6 @@ sample. One cluster for the module saves a head and a node start per test (~10-2
 killed at the end of one test may not be marked dead yet when the next run places a replica on it: that
 replica dies while starting and is placed again (so a replica besides the dropped one may list a lost node)."""
 
-import dataclasses
 import json
 import os
 import shutil
@@ -16,26 +15,15 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO, forget_ray_head, free_port, kill_tagged, start_ray_head, start_ray_worker, tagged_pids
+from conftest import (REPO, RAY_BIN, RayCluster, forget_ray_head, free_port, kill_tagged, start_ray_head,
+                      start_ray_worker, tagged_pids)
 from test_online import LIMIT as ONLINE_LIMIT, all_ids, assert_tee, lines_of
 from test_scale import assert_exactly_once, env_for, run_cmd
 
 pytestmark = [pytest.mark.ray, pytest.mark.model]  # real Ray nodes and replicas of SmolLM2
-
-RAY = str(Path(sys.executable).with_name("ray"))
-
-
-@dataclasses.dataclass(frozen=True)
-class Cluster:
-    address: str  # the head's GCS, host:port
-    dashboard: str  # the head's job API, http://host:port
-    env: dict[str, str]  # a driver's environment: token authentication, the cluster's tag
-    tag: str  # CAPTURE_TEST_TAG of the head and node B
-
 
 @pytest.fixture(scope="module")
 def cluster():
@@ -43,14 +31,14 @@ def cluster():
     token file ``ray get-auth-token --generate`` leaves in ~/.ray (what `ray job submit` and an attaching
     trainer rank read). Killed at the end of the module."""
     tag, port, dash = uuid.uuid4().hex, free_port(), free_port()
-    env = {**env_for(tag), "RAY_AUTH_MODE": "token"}
+    cluster = RayCluster(f"127.0.0.1:{port}", {"RAY_AUTH_MODE": "token"}, tag, dashboard=f"http://127.0.0.1:{dash}")
     try:
-        subprocess.run([RAY, "get-auth-token", "--generate"], capture_output=True, timeout=120, check=True)
-        head = start_ray_head(port, env, num_cpus=0, dashboard_port=dash)
+        subprocess.run([RAY_BIN, "get-auth-token", "--generate"], capture_output=True, timeout=120, check=True)
+        head = start_ray_head(port, env_for(tag, cluster), num_cpus=0, dashboard_port=dash)
         assert head.returncode == 0, head.stderr[-3000:]
-        node_b = start_ray_worker(f"127.0.0.1:{port}", env, 1)
+        node_b = start_ray_worker(cluster.address, env_for(tag, cluster), 1)
         assert node_b.returncode == 0, node_b.stderr[-3000:]
-        yield Cluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", env, tag)
+        yield cluster
     finally:
         kill_tagged(tag)
         forget_ray_head(port)
@@ -62,7 +50,7 @@ def node_a(cluster):
     carries it). Killed at the end of the test, if the test has not lost it already."""
     node = f"{cluster.tag}-a-{uuid.uuid4().hex[:8]}"
     try:
-        started = start_ray_worker(cluster.address, {**cluster.env, "CAPTURE_TEST_TAG": node}, 1)
+        started = start_ray_worker(cluster.address, env_for(node, cluster), 1)
         assert started.returncode == 0, started.stderr[-2000:]
         yield node
     finally:
@@ -82,13 +70,13 @@ def lose_node_mid_unit(proc: subprocess.Popen, node: str, title: str) -> None:
     kill_tagged(node)
 
 
-def wait_for_the_job_agent(cluster: Cluster) -> None:
+def wait_for_the_job_agent(cluster: RayCluster) -> None:
     """Until the head's job agent takes jobs (it comes up a few seconds after `ray start` returns; a submit
     before it is refused with "No available agent"): a job of ``true``, at most 120 s."""
     deadline = time.monotonic() + 120
     while True:
-        probe = subprocess.run([RAY, "job", "submit", "--address", cluster.dashboard, "--", "true"], env=cluster.env,
-                               capture_output=True, text=True, timeout=300)
+        probe = subprocess.run([RAY_BIN, "job", "submit", "--address", cluster.dashboard, "--", "true"],
+                               env=env_for(cluster.tag, cluster), capture_output=True, text=True, timeout=300)
         if probe.returncode == 0 or "No available agent" not in probe.stderr or time.monotonic() > deadline:
             assert probe.returncode == 0, (probe.stdout + probe.stderr)[-3000:]
             return
@@ -104,8 +92,8 @@ def test_a_job_submitted_to_the_cluster_goes_on_when_a_worker_node_is_lost(tmp_p
     out = tmp_path / "run"
     cmd = run_cmd(out, sample_jsonl, "--replicas", "2", "--cpus-per-replica", "1", "--ray-address", "auto")
     wait_for_the_job_agent(cluster)
-    job = subprocess.Popen([RAY, "job", "submit", "--address", cluster.dashboard, "--", *cmd], env=cluster.env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = subprocess.Popen([RAY_BIN, "job", "submit", "--address", cluster.dashboard, "--", *cmd],
+                           env=env_for(cluster.tag, cluster), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lose_node_mid_unit(job, node_a, "ray::Replica.process")
     logs, stderr = job.communicate(timeout=600)  # the entrypoint's stdout and stderr come in `ray job submit`'s stdout
     assert job.returncode == 0, (logs + stderr)[-3000:]
@@ -124,7 +112,8 @@ def test_a_lost_worker_node_online_delivers_every_row_once(tmp_path, sample_json
     out = tmp_path / "online"
     cmd = [sys.executable, str(REPO / "tests" / "online_trainer.py"), "--out", str(out), "--dataset", str(sample_jsonl),
            "--limit", str(ONLINE_LIMIT), "--keep", "--ray-address", cluster.address]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env_for(cluster.tag, cluster), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     lose_node_mid_unit(proc, node_a, "ray::Replica.process_with_payload")
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
@@ -149,13 +138,13 @@ def test_a_worker_node_with_another_model_config_stops_the_run_before_any_row(tm
             os.link(f, other / f.name) if f.name != "config.json" else None
         config = json.loads((smol_dir / "config.json").read_text())
         (other / "config.json").write_text(json.dumps({**config, "edited_by_hand": True}))  # still loads
-        started = start_ray_worker(cluster.address, {**cluster.env, "CAPTURE_TEST_TAG": node}, 2, bind=(other, smol_dir))
+        started = start_ray_worker(cluster.address, env_for(node, cluster), 2, bind=(other, smol_dir))
         assert started.returncode == 0, started.stderr[-2000:]
         out = tmp_path / "run"
         proc = subprocess.run([sys.executable, "-m", "cli", "run", "--out", str(out), "--dataset", str(sample_jsonl),
                                "--limit", "4", "--max-tokens", "128", "--overlength", "truncate", "--no-progress",
                                "--ray-address", cluster.address, "--replicas", "1", "--cpus-per-replica", "2"],
-                              cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=600)
+                              cwd=REPO, env=env_for(cluster.tag, cluster), capture_output=True, text=True, timeout=600)
         assert proc.returncode == 2, proc.stderr[-3000:]
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "config.json differ; it wrote nothing" in errors[0], proc.stderr[-3000:]

@@ -24,11 +24,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.model]  # every test runs Ray replica
 LIMIT = 16
 
 
-def trainer(out, sample, tag_, *extra: str, cluster=None) -> subprocess.Popen:
-    """tests/online_trainer.py in a process of its own: with a local Ray of its own, or connected to
-    ``cluster`` (the session's, conftest.ray_cluster)."""
+def trainer(out, sample, tag_, *extra: str, cluster) -> subprocess.Popen:
+    """tests/online_trainer.py in a process of its own, connected to ``cluster`` (the session's,
+    conftest.ray_cluster)."""
     cmd = [sys.executable, str(REPO / "tests" / "online_trainer.py"), "--out", str(out), "--dataset", str(sample),
-           "--limit", str(LIMIT), *extra, *(["--ray-address", cluster.address] if cluster else [])]
+           "--limit", str(LIMIT), *extra, "--ray-address", cluster.address]
     return subprocess.Popen(cmd, cwd=REPO, env=env_for(tag_, cluster), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 

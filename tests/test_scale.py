@@ -98,7 +98,8 @@ def test_replica_killed_mid_unit_run_completes_exactly_once(tmp_path, sample_jso
 def test_driver_killed_then_rerun_completes_exactly_once(tmp_path, sample_jsonl, tag, ray_cluster):
     """The driver of a run with a replica on the session's cluster SIGKILLed after its first commit: Ray ends
     the job's replica with it (none is left to write into the run), and the same command resumes, every row
-    exactly once. (The in-process executor's driver: tests/test_run.py::test_sigkill_mid_run_then_rerun_is_exactly_once.)"""
+    exactly once. (The in-process executor's driver:
+    tests/test_run.py::test_sigkill_mid_run_then_rerun_is_exactly_once.)"""
     out = tmp_path / "run"
     cmd = run_cmd(out, sample_jsonl, "--replicas", "1", "--ray-address", ray_cluster.address)
     env = env_for(tag, ray_cluster)
