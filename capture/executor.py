@@ -19,6 +19,7 @@ from capture.engines import EngineSpec
 from capture.pool import LocalActor, LocalCalls, RayCalls
 from capture.progress import LocalFeed, Progress, feed
 from common.errors import CaptureError
+from common.net import gcs_unreachable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,9 @@ def start(cfg: RunConfig, engine: EngineSpec, progress: Progress, needs_ray: boo
 
     we_started_ray = not ray.is_initialized()
     if we_started_ray:
+        if cfg.ray_address and gcs_unreachable(cfg.ray_address):
+            raise CaptureError(f"--ray-address {cfg.ray_address}: nothing answers there: is the cluster up (`ray status "
+                               f"--address {cfg.ray_address}`)? Nothing was captured")
         progress.status("starting Ray")
         # "local": a new instance even where `ray start` left a (maybe stale) /tmp/ray/ray_current_cluster
         try:

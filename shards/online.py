@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from typing import Iterator, Sequence
 
@@ -45,6 +44,7 @@ import pyarrow as pa
 from torch.utils.data import IterableDataset
 
 from common.errors import CaptureError
+from common.net import gcs_unreachable
 from shards import live
 from shards.format import RunHeader, tap_layers
 from shards.rows import table_sample
@@ -165,12 +165,8 @@ class OnlineStream(IterableDataset):
         cluster's address first: ``ray.init`` to a cluster that is gone retries for minutes."""
         import ray
 
-        if not ray.is_initialized():
-            host, _, port = self.endpoint["address"].rpartition(":")
-            try:
-                socket.create_connection((host, int(port)), timeout=5).close()
-            except OSError:
-                return False
+        if not ray.is_initialized() and gcs_unreachable(self.endpoint["address"]):
+            return False
         try:
             self.queue()
             return True

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import capture_cli, capture_inproc, capture_process
+from conftest import capture_cli, capture_inproc, capture_process, free_port
 from shards import manifest
 from shards.reader import iter_rows
 
@@ -167,6 +167,17 @@ def test_out_that_is_a_file_and_too_many_replicas(tmp_path):
     assert result.exit_code == 2 and "exists and is not a folder" in result.stderr
     result = capture_inproc("run", "--out", str(tmp_path / "r"), "--limit", "2", "--replicas", "5", *SMALL)
     assert result.exit_code == 2 and "5 replica(s)" in result.stderr and "do not fit" in result.stderr
+    assert not (tmp_path / "r" / "manifest.jsonl").exists() and not (tmp_path / "r" / "provenance.json").exists()
+
+
+@pytest.mark.model
+def test_a_ray_address_where_nothing_answers_is_one_line_at_once(tmp_path):
+    """--ray-address host:port where nothing listens (a typo, a cluster that is gone): exit 2 and one line
+    before anything is written; ray.init itself retries such an address for minutes (common/net.py)."""
+    address = f"127.0.0.1:{free_port()}"
+    result = capture_inproc("run", "--out", str(tmp_path / "r"), "--limit", "2", "--ray-address", address, *SMALL)
+    assert result.exit_code == 2, result.output
+    assert f"--ray-address {address}: nothing answers there" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "r" / "manifest.jsonl").exists() and not (tmp_path / "r" / "provenance.json").exists()
 
 
