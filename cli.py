@@ -540,6 +540,8 @@ def _drafter_values(config_file, flags: dict) -> dict:
 @click.option("--draft-vocab-size", type=int, help="Score only the N most frequent train labels (0: all).")
 @click.option("--heldout-fraction", type=float, help="Held-out share by sample_id hash (default 0.1).")
 @click.option("--train-rows", type=int, help="Train on the first N train conversations of the run (0: all).")
+@click.option("--train-anchors", type=int, help="Train on the first train conversations that hold N valid anchors "
+              "(0: no limit): equal supervision across runs of different answer lengths.")
 @click.option("--eval-anchors", type=int, help="Held-out anchors scored, evenly spaced (0: all).")
 @click.option("--precision", type=click.Choice(["bfloat16", "float32"]), help="Autocast dtype of the forward.")
 @click.option("--workers", type=int, help="DataLoader processes decoding conversations (default 1; 0: none).")

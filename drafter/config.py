@@ -63,6 +63,7 @@ class TrainConfig:
     draft_vocab_size: int = 0
     heldout_fraction: float = 0.1
     train_rows: int = 0  # train on the first N train conversations of the run (manifest order; 0: all)
+    train_anchors: int = 0  # train on the first train conversations that hold N valid anchors (0: no limit)
     eval_anchors: int = 8192
     eval_rows: int = 8
     precision: Literal["bfloat16", "float32"] = "bfloat16"
@@ -133,6 +134,7 @@ def validate(cfg: TrainConfig) -> None:
     if not 0 < cfg.heldout_fraction < 1:
         raise CaptureError(f"heldout_fraction must be in (0, 1), got {cfg.heldout_fraction}")
     if (cfg.lr <= 0 or cfg.loss_decay < 0 or cfg.eval_anchors < 0 or cfg.warmup_steps < 0 or cfg.kl_weight < 0
-            or cfg.draft_vocab_size < 0 or cfg.lookup < 0 or cfg.workers < 0 or cfg.train_rows < 0):
+            or cfg.draft_vocab_size < 0 or cfg.lookup < 0 or cfg.workers < 0 or cfg.train_rows < 0
+            or cfg.train_anchors < 0):
         raise CaptureError("lr must be > 0; loss_decay, kl_weight, eval_anchors, warmup_steps, draft_vocab_size, "
-                           "lookup, workers and train_rows must be >= 0")
+                           "lookup, workers, train_rows and train_anchors must be >= 0")

@@ -191,22 +191,26 @@ def _id_rows(run, split: str, fraction: float) -> Iterator[tuple[str, np.ndarray
 
 
 def scan(run, split: str, fraction: float, block_size: int, vocab_size: int, labels: str = "argmax",
-         exclude: dict[str, np.ndarray] | None = None, limit: int = 0) -> Scan:
+         exclude: dict[str, np.ndarray] | None = None, limit: int = 0, anchor_limit: int = 0) -> Scan:
     """:class:`Scan` of ``run``'s ``split`` (by ``fraction``, :func:`heldout`), read without the state
     columns, skipping the conversations :func:`seen` in ``exclude``; ``limit`` N > 0: the first N kept
-    conversations only. Memory: O(conversations) integers and O(vocab_size) counts."""
-    return scan_rows(_id_rows(run, split, fraction), block_size, vocab_size, labels, exclude, limit)
+    conversations only; ``anchor_limit`` N > 0: the first kept conversations until they hold N valid
+    anchors (:func:`drafter.blocks.valid_anchors`). Memory: O(conversations) integers and O(vocab_size)
+    counts."""
+    return scan_rows(_id_rows(run, split, fraction), block_size, vocab_size, labels, exclude, limit, anchor_limit)
 
 
 def scan_rows(rows: Iterable[tuple[str, np.ndarray, np.ndarray, np.ndarray]], block_size: int, vocab_size: int,
-              labels: str = "argmax", exclude: dict[str, np.ndarray] | None = None, limit: int = 0) -> Scan:
-    """:class:`Scan` of ``(sample_id, input_ids, loss_mask, argmax)`` rows (numpy or torch), in order."""
-    n = tokens = removed = 0
+              labels: str = "argmax", exclude: dict[str, np.ndarray] | None = None, limit: int = 0,
+              anchor_limit: int = 0) -> Scan:
+    """:class:`Scan` of ``(sample_id, input_ids, loss_mask, argmax)`` rows (numpy or torch), in order
+    (``limit``, ``anchor_limit``: :func:`scan`)."""
+    n = tokens = removed = held = 0  # held: valid anchors of the conversations kept
     each, ids, keys = [], [], []
     label_counts = np.zeros(vocab_size, dtype=np.int64)
     bigram = metrics.BigramCounts(vocab_size)
     for sid, input_ids, mask, argmax in rows:
-        if limit and n >= limit:
+        if (limit and n >= limit) or (anchor_limit and held >= anchor_limit):
             break
         input_ids, mask, argmax = (np.asarray(x) for x in (input_ids, mask, argmax))
         seq = {"sample_id": sid, "input_ids": torch.from_numpy(input_ids.astype(np.int64)),
@@ -219,7 +223,7 @@ def scan_rows(rows: Iterable[tuple[str, np.ndarray, np.ndarray, np.ndarray]], bl
         found, valid = blocks.block_targets(seq, anchors, block_size, labels)
         label_counts += np.bincount(found[valid].numpy(), minlength=vocab_size)[:vocab_size]
         bigram.add(seq["input_ids"][anchors], seq["argmax"][anchors])
-        n, tokens = n + 1, tokens + len(input_ids)
+        n, tokens, held = n + 1, tokens + len(input_ids), held + len(anchors)
         each.append(len(anchors))
         ids.append(id_hash(sid))
         keys.append(int(seq["prompt_key"], 16))

@@ -74,10 +74,14 @@ def score(rows: Iterator[tuple[dict, torch.Tensor]], block_size: int, model: Dra
           precision: str = "float32") -> dict[str, dict]:
     """Score blocks of ``block_size``, in one pass over ``rows``: ``model`` (``"drafter"``), the ``bigram``
     table (:meth:`drafter.metrics.BigramCounts.table`, chained from the anchor token) and prompt lookup
-    of n-gram ``lookup`` (``"lookup"``; 0: not scored), each against the target's greedy tokens. Returns
-    name → :meth:`drafter.metrics.Score.as_dict`."""
+    of n-gram ``lookup`` (``"lookup"``; 0: not scored), each against the target's greedy tokens. A model
+    with a lookup input also gives ``"hybrid"``: prompt lookup's draft where it has a match, the drafter's
+    elsewhere (the rule of serving systems that pair suffix or n-gram drafting with a model drafter, e.g.
+    Arctic Inference), and its ``"drafter"`` and ``"lookup"`` scores are split by whether the anchor has a
+    lookup match (``by_lookup_match``). Returns name → :meth:`drafter.metrics.Score.as_dict`."""
+    hybrid = model is not None and bool(model.cfg.lookup)
     scores = {name: metrics.Score() for name, on in (("drafter", model is not None), ("bigram", bigram is not None),
-                                                     ("lookup", lookup > 0)) if on}
+                                                     ("lookup", lookup > 0), ("hybrid", hybrid)) if on}
     if model is not None:
         model.eval()
     for part in _batched(rows, rows_per_batch):
@@ -88,11 +92,19 @@ def score(rows: Iterator[tuple[dict, torch.Tensor]], block_size: int, model: Dra
             if bigram is not None:
                 scores["bigram"].add(metrics.bigram_draft(bigram, conv["input_ids"][a], block_size - 1), labels, valid)
             if lookup:
-                scores["lookup"].add(metrics.lookup_draft(conv["input_ids"], a, block_size, lookup), labels, valid)
+                copy = metrics.lookup_draft(conv["input_ids"], a, block_size, lookup)
+                scores["lookup"].add(copy, labels, valid, matched=copy[:, 0] >= 0)
         if model is not None:
             batch = blocks.make_batch([c for c, _ in part], [a for _, a in part], block_size, lookup=model.cfg.lookup)
             real = batch.anchors >= 0
             with autocast(precision):
                 pred = model.vocab[model.logits(model(batch), batch.lookup).float().argmax(-1)]
-            scores["drafter"].add(pred[real], batch.labels[real], batch.valid[real])
+            if not hybrid:
+                scores["drafter"].add(pred[real], batch.labels[real], batch.valid[real])
+                continue
+            copy = batch.lookup[real]
+            matched = copy[:, 0] >= 0
+            scores["drafter"].add(pred[real], batch.labels[real], batch.valid[real], matched)
+            scores["hybrid"].add(torch.where(matched[:, None], copy, pred[real]), batch.labels[real],
+                                 batch.valid[real], matched)
     return {name: s.as_dict() for name, s in scores.items()}

@@ -309,8 +309,9 @@ def _train(cfg: TrainConfig, out: Path, src: Source, begin: float) -> dict:
     base = evaluate.score(rows(), B, model, rows_per_batch=cfg.eval_rows, precision=cfg.precision)["drafter"]
     model.load_state_dict(trained_state)
     for name, entry in (("untrained", base), ("bigram", scores["bigram"]), ("lookup", scores["lookup"]),
-                        ("drafter", {"train_seconds": seconds, **scores["drafter"]})):
-        logs.write(METRICS, {"kind": "eval", "model": name, "split": "heldout", **entry})
+                        ("drafter", {"train_seconds": seconds, **scores["drafter"]}), ("hybrid", scores.get("hybrid"))):
+        if entry is not None:
+            logs.write(METRICS, {"kind": "eval", "model": name, "split": "heldout", **entry})
     logs.close()
     return {**result_of(out / METRICS), "seconds": seconds, "first_step_s": first_step,
             "trainer_waited_s": round(count["waited"], 2)}

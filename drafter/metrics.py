@@ -40,12 +40,22 @@ class Score:
     first_correct: int = 0
     position_correct: list[int] = dataclasses.field(default_factory=list)  # per j, hits among valid
     position_valid: list[int] = dataclasses.field(default_factory=list)
+    split: bool = False  # ``add`` was told which anchors have a prompt-lookup match
+    matched_blocks: int = 0
+    matched_accepted: int = 0
 
-    def add(self, pred: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> None:
+    def add(self, pred: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+            matched: torch.Tensor | None = None) -> None:
         """Add blocks: pred, labels int64 [A, B-1] (drafted slots 1 … B-1), valid bool [A, B-1] (slot 1
-        must be valid: it is, at every anchor)."""
+        must be valid: it is, at every anchor); ``matched`` bool [A]: the anchors where prompt lookup has a
+        match (:func:`lookup_draft`), to split the score by it."""
         self.blocks += pred.shape[0]
-        self.accepted += int(acceptance_length(pred, labels, valid).sum())
+        accepted = acceptance_length(pred, labels, valid)
+        self.accepted += int(accepted.sum())
+        if matched is not None:
+            self.split = True
+            self.matched_blocks += int(matched.sum())
+            self.matched_accepted += int(accepted[matched].sum())
         self.first_correct += int((pred[:, 0] == labels[:, 0]).sum())
         hits = ((pred == labels) & valid).sum(0).tolist()
         n = valid.sum(0).tolist()
@@ -57,15 +67,25 @@ class Score:
     def as_dict(self) -> dict:
         """``accept_len`` (mean accepted drafted tokens per block, no bonus), ``accept_len_with_bonus``,
         ``first_token_acc``, ``position_acc`` (per drafted slot, among valid slots; not conditioned on
-        earlier hits), ``blocks``."""
+        earlier hits), ``blocks``; where ``add`` was given ``matched``, ``by_lookup_match``: the share of
+        blocks whose anchor has a prompt-lookup match and the mean accepted drafted tokens on those blocks
+        and on the others (the split that tells a drafter that copies from one that does not)."""
         b = max(self.blocks, 1)
-        return {
+        out = {
             "accept_len": self.accepted / b,
             "accept_len_with_bonus": self.accepted / b + 1,
             "first_token_acc": self.first_correct / b,
             "position_acc": [c / max(v, 1) for c, v in zip(self.position_correct, self.position_valid)],
             "blocks": self.blocks,
         }
+        if self.split:
+            rest = self.blocks - self.matched_blocks
+            out["by_lookup_match"] = {
+                "share": self.matched_blocks / b,
+                "accept_len_matched": self.matched_accepted / max(self.matched_blocks, 1),
+                "accept_len_unmatched": (self.accepted - self.matched_accepted) / max(rest, 1),
+            }
+        return out
 
 
 class BigramCounts:

@@ -73,7 +73,7 @@ class Setup:
     held: data.Scan
     train_source: tuple[str, str, float]
     held_source: tuple[str, str, float]
-    only: dict[str, np.ndarray] | None = None  # train_rows: the fingerprint of the rows trained on, else None
+    only: dict[str, np.ndarray] | None = None  # train_rows/anchors: the fingerprint of the rows trained on, else None
 
     def summary(self) -> dict:
         return {"train": self.train.summary(), "heldout": self.held.summary(), "overlap_removed": self.train.removed}
@@ -104,7 +104,9 @@ def check_compatible(run: str, header: RunHeader, other: str, theirs: RunHeader)
 def prepare(cfg: TrainConfig) -> Setup:
     """Check the runs and scan both sets (module docstring, step 1). Held out: every row of
     ``cfg.heldout_run`` when given (then ``cfg.run`` trains whole), else ``cfg.run``'s held-out split.
-    ``cfg.train_rows`` N > 0: only the first N train conversations (manifest order) are trained on.
+    ``cfg.train_rows`` N > 0: only the first N train conversations (manifest order) are trained on;
+    ``cfg.train_anchors`` N > 0: only the first train conversations that together hold N valid anchors
+    (the shortest such prefix; with both, whichever ends first).
     Raises CaptureError when either set is empty, the runs differ in taps or tokenizer, the run lacks the
     top-K a ``kl_weight`` needs, or the target folder has no matching embeddings."""
     header = data.run_header(cfg.run)
@@ -124,12 +126,13 @@ def prepare(cfg: TrainConfig) -> Setup:
         where = f"heldout_fraction {cfg.heldout_fraction}"
     V = embed.shape[0]
     held = data.scan(*held_source, cfg.block_size, V)
-    train = data.scan(*train_source, cfg.block_size, V, cfg.labels, exclude=held.prints, limit=cfg.train_rows)
+    train = data.scan(*train_source, cfg.block_size, V, cfg.labels, exclude=held.prints, limit=cfg.train_rows,
+                      anchor_limit=cfg.train_anchors)
     if not train.conversations or not held.conversations:
         raise CaptureError(f"{cfg.run}: {train.conversations} train and {held.conversations} held-out conversations "
                            f"({where}); both sets need at least one: capture more rows or change --heldout-fraction")
     return Setup(header, tdir, embed, lm_head, train, held, train_source, held_source,
-                 train.prints if cfg.train_rows else None)
+                 train.prints if cfg.train_rows or cfg.train_anchors else None)
 
 
 def build_model(cfg: TrainConfig, header: RunHeader, embed: torch.Tensor, lm_head: torch.Tensor,
@@ -348,7 +351,8 @@ class Logs:
 
 def train(cfg: TrainConfig) -> dict:
     """Train a drafter as ``cfg`` says, streamed (module docstring), and write the outputs into ``cfg.out``.
-    Returns ``{"data", "untrained", "bigram", "lookup", "drafter"}`` (held-out scores), ``fixed_loss``
+    Returns ``{"data", "untrained", "bigram", "lookup", "drafter"}`` and, with a lookup input, ``"hybrid"``
+    (held-out scores, :func:`drafter.evaluate.score`), ``fixed_loss``
     before/after and ``seconds`` (the training loop of this process). Raises CaptureError when ``out``
     already holds a drafter or a run, or holds a checkpoint of other settings or another world size."""
     if cfg.online or cfg.follow:
@@ -441,10 +445,12 @@ def _train(cfg: TrainConfig, out: Path, rank: int, world: int) -> dict:
         model.eval()
         logs.write(METRICS, {"kind": "fixed_loss", "step": cfg.steps, "loss": fixed_loss()})
         checkpoint.save(model, checkpoint.meta(cfg, s.header, s.target_dir, s.embed, s.lm_head), s.train.prints, out)
-        drafter = evaluate.score(held_rows(), cfg.block_size, model, rows_per_batch=cfg.eval_rows,
-                                 precision=cfg.precision)["drafter"]
+        scores = evaluate.score(held_rows(), cfg.block_size, model, rows_per_batch=cfg.eval_rows,
+                                precision=cfg.precision)
         logs.write(METRICS, {"kind": "eval", "model": "drafter", "split": "heldout", "train_seconds": seconds,
-                             "waited_s": round(waited, 2), **drafter})
+                             "waited_s": round(waited, 2), **scores["drafter"]})
+        if "hybrid" in scores:
+            logs.write(METRICS, {"kind": "eval", "model": "hybrid", "split": "heldout", **scores["hybrid"]})
     logs.close()
     if world > 1:
         dist.barrier()

@@ -44,6 +44,11 @@ def test_acceptance_length_stops_at_first_miss_and_at_invalid_positions():
     assert s["accept_len"] == 9 / 5 and s["accept_len_with_bonus"] == 9 / 5 + 1
     assert s["first_token_acc"] == 4 / 5
     assert s["position_acc"] == [4 / 5, 4 / 5, 3 / 4, 4 / 4]  # among valid positions, not conditioned
+    assert "by_lookup_match" not in s
+    split = metrics.Score()
+    split.add(pred, labels, valid, matched=torch.tensor([True, False, False, True, True]))
+    assert split.as_dict()["by_lookup_match"] == {"share": 3 / 5, "accept_len_matched": 7 / 3,
+                                                 "accept_len_unmatched": 2 / 2}
 
 
 def test_heldout_is_the_sha256_rule():
@@ -85,6 +90,19 @@ def test_anchors_and_block_labels_follow_dflash():
     short = blocks.make_batch([t, s], [torch.tensor([1]), torch.tensor([4])], 4)  # t padded to 5 positions
     assert short.ids.tolist() == [[20, 21, 22, 23, 0], [10, 11, 12, 13, 14]] and not short.feats[0, 4].any()
     assert b.labels[1, 0].tolist() == [121, 122, 0] and not b.valid[1, 1].any()
+
+
+def test_train_rows_and_train_anchors_keep_the_shortest_prefix():
+    # conversations with 3, 1, 4 and 2 valid anchors (anchor a: loss_mask[a] and loss_mask[a+1])
+    masks = [[0, 1, 1, 1, 1], [0, 1, 1, 0], [1, 1, 1, 1, 1, 0], [0, 1, 1, 1]]
+    rows = [(f"s{i}", np.arange(len(m)), np.array(m), np.arange(len(m)) + 1) for i, m in enumerate(masks)]
+    each = lambda **kw: data.scan_rows(rows, 4, 16, **kw).anchors_each.tolist()  # noqa: E731
+    assert each() == [3, 1, 4, 2]
+    assert each(anchor_limit=4) == [3, 1] and each(anchor_limit=5) == [3, 1, 4]  # until they hold N
+    assert each(anchor_limit=4, limit=1) == [3] and each(limit=3) == [3, 1, 4]  # whichever ends first
+    skip = data.scan_rows(rows, 4, 16, anchor_limit=4, exclude={"sample_ids": np.array([data.id_hash("s0")],
+                          dtype=np.uint64), "prompt_keys": np.zeros(0, dtype=np.uint64)})
+    assert skip.anchors_each.tolist() == [1, 4] and skip.removed == 1  # a held-out row does not count
 
 
 def test_heldout_anchors_subsample_evenly_and_split():
@@ -296,11 +314,17 @@ def test_training_lowers_loss_and_checkpoint_round_trips(small_run, tmp_path):
     assert result["drafter"]["blocks"] == result["bigram"]["blocks"] == result["lookup"]["blocks"] \
         == result["untrained"]["blocks"] > 100
     assert len(result["drafter"]["position_acc"]) == cfg.block_size - 1
+    # the hybrid is lookup's draft where lookup has a match, the drafter's elsewhere: the same split,
+    # lookup's score on the matched anchors, the drafter's on the others
+    look, drafter, hybrid = (result[k]["by_lookup_match"] for k in ("lookup", "drafter", "hybrid"))
+    assert 0 < look["share"] == drafter["share"] == hybrid["share"] < 1
+    assert hybrid["accept_len_matched"] == look["accept_len_matched"] > 0 and look["accept_len_unmatched"] == 0
+    assert hybrid["accept_len_unmatched"] == drafter["accept_len_unmatched"]
     rows = list(iter_rows(small_run))
     assert result["data"]["train"]["conversations"] + result["data"]["heldout"]["conversations"] \
         + result["data"]["overlap_removed"] == len(rows)
     lines = _jsonl(tmp_path / "a" / "metrics.jsonl")
-    assert [e["model"] for e in lines if e["kind"] == "eval"] == ["untrained", "bigram", "lookup", "drafter"]
+    assert [e["model"] for e in lines if e["kind"] == "eval"] == ["untrained", "bigram", "lookup", "drafter", "hybrid"]
     assert [e["step"] for e in lines if e["kind"] == "train"] == [10, 20, 30, 40]
     assert (tmp_path / "a" / "checkpoints" / "latest").read_text().strip() == "step-00000040"
 
