@@ -99,6 +99,17 @@ def main() -> None:
                   f"| {mean_range([r['drafter']['accept_len'] for r in rs])} "
                   f"| {mean_range([r['drafter']['first_token_acc'] for r in rs])} "
                   f"| {mean_range([r['hybrid']['accept_len'] for r in rs])} | {note} |")
+    look = pairs[0][0][0]["lookup"]["by_lookup_match"]
+    print(f"\nSplit by prompt-lookup match ({look['share']:.1%} of the held-out anchors have one; lookup accepts "
+          f"{look['accept_len_matched']:.3f} on them):\n")
+    print("| trained on | anchors | drafter, matched anchors | drafter, no match |")
+    print("|---|---|---|---|")
+    for regen, dataset in pairs:
+        for label, rs in (("every turn regenerated", regen), ("dataset answers", dataset)):
+            split = [r["drafter"]["by_lookup_match"] for r in rs]
+            print(f"| {label} | {rs[0]['data']['train']['anchors']:,} "
+                  f"| {mean_range([x['accept_len_matched'] for x in split])} "
+                  f"| {mean_range([x['accept_len_unmatched'] for x in split])} |")
     print("\nspeculators PR #677 (Llama-3.1-8B, EAGLE-3): +34% (last turn regenerated) / +45% (every turn) "
           "over dataset answers")
 
