@@ -131,6 +131,9 @@ def validate(cfg: TrainConfig) -> None:
         raise CaptureError(f"dropout must be in [0, 1), got {cfg.dropout}")
     if cfg.follow and cfg.online:
         raise CaptureError("--follow (a run on disk a capture is writing) and --online (rows from Ray) exclude each other")
+    if (cfg.follow or cfg.online) and (cfg.train_rows or cfg.train_anchors):
+        raise CaptureError("--train-rows/--train-anchors pick rows of a finished run; --follow/--online train on "
+                           "every row the capture delivers")
     if not 0 < cfg.heldout_fraction < 1:
         raise CaptureError(f"heldout_fraction must be in (0, 1), got {cfg.heldout_fraction}")
     if (cfg.lr <= 0 or cfg.loss_decay < 0 or cfg.eval_anchors < 0 or cfg.warmup_steps < 0 or cfg.kl_weight < 0

@@ -455,6 +455,10 @@ def test_cli_train_eval_and_user_errors(small_run, held_run, tmp_path):
     assert bad.exit_code == 2 and "stores no top-K logits" in bad.stderr
     bad = capture_inproc("drafter", "train", "--run", str(small_run), "--out", str(tmp_path / "e"), "--block-size", "1")
     assert bad.exit_code == 2 and "block_size must be at least 2" in bad.stderr
+    bad = capture_inproc("drafter", "train", "--follow", "--run", str(small_run), "--heldout-run", str(held_run),
+                         "--out", str(tmp_path / "f"), "--train-anchors", "100")
+    assert bad.exit_code == 2 and "--train-rows/--train-anchors pick rows of a finished run" in bad.stderr
+    assert not (tmp_path / "f").exists()
 
 
 def _train_args(run, out, *extra):
