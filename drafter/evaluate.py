@@ -21,6 +21,18 @@ from drafter.model import Drafter
 from shards.stream import ShardStream
 
 
+# The block-level choices between a drafter's own draft and prompt lookup's (a model with a lookup input),
+# each a whole block's draft taken from one of the two:
+# - "hybrid": lookup's where it has a match, the drafter's elsewhere (the rule of serving systems that pair
+#   suffix or n-gram drafting with a model drafter, e.g. Arctic Inference);
+# - "commit": lookup's where the drafter's own slot-1 token is lookup's (the drafter, fed the copy, chose
+#   it), the drafter's elsewhere: the drafter's first choice decides for the block, so a copy it takes is
+#   taken to the end of the block (per slot, its argmaxes leave the copy in the middle of a run);
+# - "oracle": lookup's where it accepts more drafted tokens than the drafter's, against the labels: the
+#   ceiling of any block-level choice between the two (not a drafter: it reads the answers).
+BLOCK_CHOICES = ("hybrid", "commit", "oracle")
+
+
 def autocast(precision: str):
     """The CPU autocast context of a TrainConfig ``precision`` (``bfloat16``; ``float32``: none)."""
     if precision == "bfloat16":
@@ -75,13 +87,13 @@ def score(rows: Iterator[tuple[dict, torch.Tensor]], block_size: int, model: Dra
     """Score blocks of ``block_size``, in one pass over ``rows``: ``model`` (``"drafter"``), the ``bigram``
     table (:meth:`drafter.metrics.BigramCounts.table`, chained from the anchor token) and prompt lookup
     of n-gram ``lookup`` (``"lookup"``; 0: not scored), each against the target's greedy tokens. A model
-    with a lookup input also gives ``"hybrid"``: prompt lookup's draft where it has a match, the drafter's
-    elsewhere (the rule of serving systems that pair suffix or n-gram drafting with a model drafter, e.g.
-    Arctic Inference), and its ``"drafter"`` and ``"lookup"`` scores are split by whether the anchor has a
-    lookup match (``by_lookup_match``). Returns name → :meth:`drafter.metrics.Score.as_dict`."""
+    with a lookup input also gives the block-level choices between its draft and prompt lookup's (:data:`BLOCK_CHOICES`),
+    and its ``"drafter"`` and ``"lookup"`` scores are split by whether the anchor has a lookup match
+    (``by_lookup_match``). Returns name → :meth:`drafter.metrics.Score.as_dict`."""
     hybrid = model is not None and bool(model.cfg.lookup)
     scores = {name: metrics.Score() for name, on in (("drafter", model is not None), ("bigram", bigram is not None),
-                                                     ("lookup", lookup > 0), ("hybrid", hybrid)) if on}
+                                                     ("lookup", lookup > 0)) if on}
+    scores.update({name: metrics.Score() for name in BLOCK_CHOICES if hybrid})
     if model is not None:
         model.eval()
     for part in _batched(rows, rows_per_batch):
@@ -102,9 +114,11 @@ def score(rows: Iterator[tuple[dict, torch.Tensor]], block_size: int, model: Dra
             if not hybrid:
                 scores["drafter"].add(pred[real], batch.labels[real], batch.valid[real])
                 continue
-            copy = batch.lookup[real]
+            copy, own, labels, valid = batch.lookup[real], pred[real], batch.labels[real], batch.valid[real]
             matched = copy[:, 0] >= 0
-            scores["drafter"].add(pred[real], batch.labels[real], batch.valid[real], matched)
-            scores["hybrid"].add(torch.where(matched[:, None], copy, pred[real]), batch.labels[real],
-                                 batch.valid[real], matched)
+            scores["drafter"].add(own, labels, valid, matched)
+            better = metrics.acceptance_length(copy, labels, valid) > metrics.acceptance_length(own, labels, valid)
+            for name, take_copy in (("hybrid", matched), ("commit", matched & (own[:, 0] == copy[:, 0])),
+                                    ("oracle", better)):
+                scores[name].add(torch.where(take_copy[:, None], copy, own), labels, valid, matched)
     return {name: s.as_dict() for name, s in scores.items()}

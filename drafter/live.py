@@ -309,7 +309,8 @@ def _train(cfg: TrainConfig, out: Path, src: Source, begin: float) -> dict:
     base = evaluate.score(rows(), B, model, rows_per_batch=cfg.eval_rows, precision=cfg.precision)["drafter"]
     model.load_state_dict(trained_state)
     for name, entry in (("untrained", base), ("bigram", scores["bigram"]), ("lookup", scores["lookup"]),
-                        ("drafter", {"train_seconds": seconds, **scores["drafter"]}), ("hybrid", scores.get("hybrid"))):
+                        ("drafter", {"train_seconds": seconds, **scores["drafter"]}),
+                        *((name, scores.get(name)) for name in evaluate.BLOCK_CHOICES)):
         if entry is not None:
             logs.write(METRICS, {"kind": "eval", "model": name, "split": "heldout", **entry})
     logs.close()

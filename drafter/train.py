@@ -351,8 +351,8 @@ class Logs:
 
 def train(cfg: TrainConfig) -> dict:
     """Train a drafter as ``cfg`` says, streamed (module docstring), and write the outputs into ``cfg.out``.
-    Returns ``{"data", "untrained", "bigram", "lookup", "drafter"}`` and, with a lookup input, ``"hybrid"``
-    (held-out scores, :func:`drafter.evaluate.score`), ``fixed_loss``
+    Returns ``{"data", "untrained", "bigram", "lookup", "drafter"}`` and, with a lookup input,
+    :data:`drafter.evaluate.BLOCK_CHOICES` (held-out scores, :func:`drafter.evaluate.score`), ``fixed_loss``
     before/after and ``seconds`` (the training loop of this process). Raises CaptureError when ``out``
     already holds a drafter or a run, or holds a checkpoint of other settings or another world size."""
     if cfg.online or cfg.follow:
@@ -449,8 +449,9 @@ def _train(cfg: TrainConfig, out: Path, rank: int, world: int) -> dict:
                                 precision=cfg.precision)
         logs.write(METRICS, {"kind": "eval", "model": "drafter", "split": "heldout", "train_seconds": seconds,
                              "waited_s": round(waited, 2), **scores["drafter"]})
-        if "hybrid" in scores:
-            logs.write(METRICS, {"kind": "eval", "model": "hybrid", "split": "heldout", **scores["hybrid"]})
+        for name in evaluate.BLOCK_CHOICES:
+            if name in scores:
+                logs.write(METRICS, {"kind": "eval", "model": name, "split": "heldout", **scores[name]})
     logs.close()
     if world > 1:
         dist.barrier()

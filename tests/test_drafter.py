@@ -320,11 +320,19 @@ def test_training_lowers_loss_and_checkpoint_round_trips(small_run, tmp_path):
     assert 0 < look["share"] == drafter["share"] == hybrid["share"] < 1
     assert hybrid["accept_len_matched"] == look["accept_len_matched"] > 0 and look["accept_len_unmatched"] == 0
     assert hybrid["accept_len_unmatched"] == drafter["accept_len_unmatched"]
+    # commit takes lookup's block only where it matched (and the drafter chose its slot-1 token): elsewhere
+    # it is the drafter; the oracle takes the better of the two per block, so no choice beats it
+    commit, oracle = result["commit"], result["oracle"]
+    assert commit["by_lookup_match"]["accept_len_unmatched"] == drafter["accept_len_unmatched"]
+    assert oracle["by_lookup_match"]["accept_len_unmatched"] == drafter["accept_len_unmatched"]
+    assert oracle["accept_len"] >= max(result[k]["accept_len"] for k in ("drafter", "lookup", "hybrid", "commit"))
+    assert oracle["by_lookup_match"]["accept_len_matched"] > look["accept_len_matched"]
     rows = list(iter_rows(small_run))
     assert result["data"]["train"]["conversations"] + result["data"]["heldout"]["conversations"] \
         + result["data"]["overlap_removed"] == len(rows)
     lines = _jsonl(tmp_path / "a" / "metrics.jsonl")
-    assert [e["model"] for e in lines if e["kind"] == "eval"] == ["untrained", "bigram", "lookup", "drafter", "hybrid"]
+    assert [e["model"] for e in lines if e["kind"] == "eval"] == ["untrained", "bigram", "lookup", "drafter", "hybrid",
+                                                                    "commit", "oracle"]
     assert [e["step"] for e in lines if e["kind"] == "train"] == [10, 20, 30, 40]
     assert (tmp_path / "a" / "checkpoints" / "latest").read_text().strip() == "step-00000040"
 
