@@ -55,8 +55,8 @@ def register_probes() -> None:
     def zero_encode(states, zc):
         return zc.compress(b"")
 
-    def zero_decode(cell, tokens, hidden, dtype):
-        return torch.zeros(tokens, hidden, dtype=dtype)
+    def zero_decode(cell, tokens, hidden, dtype, out=None):  # the signature of codecs.Codec.decode
+        return codecs._store(torch.zeros(tokens, hidden, dtype=dtype), out)
 
     for name, qmax in PROBES.items():
         if qmax:
