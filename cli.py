@@ -543,7 +543,8 @@ def _drafter_values(config_file, flags: dict) -> dict:
 @click.option("--train-anchors", type=int, help="Train on the first train conversations that hold N valid anchors "
               "(0: no limit): equal supervision across runs of different answer lengths.")
 @click.option("--eval-anchors", type=int, help="Held-out anchors scored, evenly spaced (0: all).")
-@click.option("--precision", type=click.Choice(["bfloat16", "float32"]), help="Autocast dtype of the forward.")
+@click.option("--precision", type=click.Choice(["auto", "bfloat16", "float32"]),
+              help="Autocast dtype of the forward (auto: bfloat16 where the CPU computes it natively, else float32).")
 @click.option("--workers", type=int, help="DataLoader processes decoding conversations (default 1; 0: none).")
 @click.option("--shuffle-buffer", type=int, help="Rows of the stream's shuffle buffer (default 1024).")
 @click.option("--checkpoint-every", type=int, help="Steps between training checkpoints (default 100); a trainer "

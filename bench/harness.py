@@ -49,7 +49,7 @@ def torch_cpu() -> str:
     vector ISA its CPU kernels dispatch to, and which flags that decide bf16 speed the CPU has."""
     import torch
 
-    from capture.engines.hf import cpu_features
+    from common.cpu import cpu_features
 
     flags = sorted((cpu_features() or set()) & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
     return (f"torch {torch.__version__} dispatching {torch.backends.cpu.get_cpu_capability()} "

@@ -29,7 +29,8 @@ class TrainConfig:
     row) instead of a ``heldout_fraction`` split of ``run``; either way, train rows sharing a sample_id
     or a prompt with a held-out row are dropped (:func:`drafter.data.disjoint`). ``eval_anchors``:
     held-out anchors scored, an evenly spaced deterministic subsample (0: all). ``precision``: the
-    autocast dtype of the forward (weights and optimizer stay float32).
+    autocast dtype of the forward (weights and optimizer stay float32); ``auto``: bfloat16 where the CPU
+    computes it natively, else float32 (:func:`drafter.evaluate.resolve_precision`).
     """
 
     run: str  # capture run folder (shards + manifest.jsonl); with `online`, that capture's --out
@@ -66,7 +67,7 @@ class TrainConfig:
     train_anchors: int = 0  # train on the first train conversations that hold N valid anchors (0: no limit)
     eval_anchors: int = 8192
     eval_rows: int = 8
-    precision: Literal["bfloat16", "float32"] = "bfloat16"
+    precision: Literal["auto", "bfloat16", "float32"] = "auto"
     log_every: int = 10
     workers: int = 1  # DataLoader processes decoding conversations (0: in the training process)
     shuffle_buffer: int = 1024  # rows of the stream's shuffle buffer (shard/row numbers, not states)

@@ -16,6 +16,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from common import cpu
 from drafter import blocks, data, metrics
 from drafter.model import Drafter
 from shards.stream import ShardStream
@@ -33,9 +34,21 @@ from shards.stream import ShardStream
 BLOCK_CHOICES = ("hybrid", "commit", "oracle")
 
 
+def resolve_precision(precision: str, features: set[str] | None = None, max_isa: str | None = None,
+                      machine: str | None = None) -> str:
+    """The autocast dtype a TrainConfig ``precision`` means on this CPU: ``bfloat16`` or ``float32`` as
+    given; ``auto``: ``bfloat16`` unless the CPU is known to lack native bf16 dot products
+    (:func:`common.cpu.native`; ``features``, ``max_isa``, ``machine`` default to this machine's), then
+    ``float32``: emulated bf16 matmuls run several times slower than float32 there."""
+    if precision != "auto":
+        return precision
+    return "float32" if cpu.native("bfloat16", features, max_isa, machine) is False else "bfloat16"
+
+
 def autocast(precision: str):
-    """The CPU autocast context of a TrainConfig ``precision`` (``bfloat16``; ``float32``: none)."""
-    if precision == "bfloat16":
+    """The CPU autocast context of a TrainConfig ``precision`` (:func:`resolve_precision`: ``bfloat16``;
+    ``float32``: none)."""
+    if resolve_precision(precision) == "bfloat16":
         return torch.autocast("cpu", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 

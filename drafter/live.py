@@ -299,6 +299,7 @@ def _train(cfg: TrainConfig, out: Path, src: Source, begin: float) -> dict:
     model.eval()
     logs.write(METRICS, {"kind": "fixed_loss", "step": step, "loss": fixed_loss()})
     logs.write(METRICS, {"kind": "data", "train": {"conversations": len(trained_ids)},
+                         "precision": evaluate.resolve_precision(cfg.precision),
                          "heldout": held_scan.summary(), "overlap_removed": count["dropped"]})
     trained = {"sample_ids": np.unique(np.array([data.id_hash(i) for i in trained_ids], dtype=np.uint64)),
                "prompt_keys": np.unique(np.array([int(k, 16) for k in trained_keys], dtype=np.uint64))}

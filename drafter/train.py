@@ -393,7 +393,7 @@ def _train(cfg: TrainConfig, out: Path, rank: int, world: int) -> dict:
             log.info("resuming %s from its checkpoint of step %d (%s)", out, step, resume.name)
     logs = Logs(out, rank, state["logs"] if resume is not None else None)
     if resume is None and rank == 0:
-        logs.write(METRICS, {"kind": "data", **s.summary()})
+        logs.write(METRICS, {"kind": "data", **s.summary(), "precision": evaluate.resolve_precision(cfg.precision)})
         scores = evaluate.score(held_rows(), cfg.block_size, model, s.train.bigram.table(), cfg.lookup or 2,
                                 cfg.eval_rows, cfg.precision)
         for name, entry in (("untrained", scores["drafter"]), ("bigram", scores["bigram"]), ("lookup", scores["lookup"])):

@@ -314,6 +314,7 @@ def test_training_lowers_loss_and_checkpoint_round_trips(small_run, tmp_path):
     assert result["drafter"]["blocks"] == result["bigram"]["blocks"] == result["lookup"]["blocks"] \
         == result["untrained"]["blocks"] > 100
     assert len(result["drafter"]["position_acc"]) == cfg.block_size - 1
+    assert result["data"]["precision"] == evaluate.resolve_precision("auto") in ("bfloat16", "float32")  # this CPU's
     # the hybrid is lookup's draft where lookup has a match, the drafter's elsewhere: the same split,
     # lookup's score on the matched anchors, the drafter's on the others
     look, drafter, hybrid = (result[k]["by_lookup_match"] for k in ("lookup", "drafter", "hybrid"))

@@ -170,13 +170,18 @@ SPR_FLAGS = AVX2_FLAGS + " avx512f avx512bw avx512_bf16 avx512_fp16 amx_bf16 amx
     ("", "ALL", "riscv64", "bfloat16", "bfloat16"),  # unknown: the stored dtype, as before --dtype existed
 ])
 def test_auto_compute_dtype_follows_the_cpu(flags, max_isa, machine, stored, want):
-    from capture.engines.hf import compute_dtype, cpu_features
+    from capture.engines.hf import compute_dtype
+    from common.cpu import cpu_features
+    from drafter.evaluate import resolve_precision
 
     key = "Features" if machine == "aarch64" else "flags"
     features = cpu_features(f"processor\t: 0\n{key}\t\t: {flags}\n\n")
     assert features == set(flags.split())
     assert compute_dtype("auto", stored, features, max_isa, machine) == want
     assert compute_dtype("bfloat16", stored, features, max_isa, machine) == "bfloat16"  # given: taken as is
+    if stored == "bfloat16":  # the drafter trainer's --precision auto follows the same rule
+        assert resolve_precision("auto", features, max_isa, machine) == want
+        assert resolve_precision("bfloat16", features, max_isa, machine) == "bfloat16"
     assert cpu_features("no such lines\n") is None
     with pytest.raises(ValueError, match="unknown compute dtype"):
         compute_dtype("fp8", stored, features, max_isa, machine)

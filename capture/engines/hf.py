@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from capture.engines.registry import option, option_names
+from common.cpu import NATIVE, native
 from capture.engines.base import Capabilities, Captured, Generated, Sampling
 from capture.targets import Taps, reduce_streams
 from shards.format import tap_column
@@ -67,27 +68,7 @@ from shards.format import tap_column
 __all__ = ["Captured", "Generated", "HFEngine", "Sampling"]
 
 
-# CPU feature flags (Linux /proc/cpuinfo: x86 "flags", aarch64 "Features") that give a 16-bit type
-# native dot products: (x86, aarch64)
-_NATIVE = {"bfloat16": ({"avx512_bf16", "amx_bf16"}, {"bf16"}),
-           "float16": ({"avx512_fp16", "amx_fp16"}, {"asimdhp"})}
 COMPUTE_DTYPES = option("compute_dtype").choices  # --dtype's, declared in capture.engines.REGISTRY
-
-
-def cpu_features(cpuinfo: str | None = None) -> set[str] | None:
-    """The CPU's feature flags (``/proc/cpuinfo``'s ``flags`` line on x86, ``Features`` on aarch64, or the
-    text ``cpuinfo``); None where there is no such file (macOS, Windows)."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return None
-    for line in cpuinfo.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() in ("flags", "Features"):
-            return set(value.split())
-    return None
 
 
 def compute_dtype(requested: str, stored: str, features: set[str] | None = None, max_isa: str | None = None,
@@ -95,8 +76,8 @@ def compute_dtype(requested: str, stored: str, features: set[str] | None = None,
     """The dtype the HF engine computes in on the CPU. ``requested``: ``float32``, ``bfloat16``,
     ``float16`` (taken as given) or ``auto``: ``stored`` (the run's state dtype) where the CPU has native
     dot products for it, else ``float32``; ``stored`` where that cannot be told (no ``/proc/cpuinfo``).
-    Native means, on x86, one of the ``_NATIVE`` flags, unless oneDNN is capped below it
-    (``ONEDNN_MAX_CPU_ISA``, e.g. ``AVX2``: ``max_isa``); on aarch64 the ``bf16`` / ``asimdhp`` feature.
+    Native: :func:`common.cpu.native` (x86 flags unless oneDNN is capped by ``ONEDNN_MAX_CPU_ISA``:
+    ``max_isa``; aarch64 features).
     oneDNN, not ATen's dispatch, runs a bf16 linear layer: with ``ATEN_CPU_CAPABILITY=avx2`` alone this
     AVX-512 BF16 CPU still computed bf16 at 2.33x float32; capped with ``ONEDNN_MAX_CPU_ISA=AVX2`` too, at
     0.29x (an AVX2-only CPU: 42.7 vs 254.7 tokens per CPU-second, 0.17x). bench/compute_dtype.out,
@@ -105,25 +86,9 @@ def compute_dtype(requested: str, stored: str, features: set[str] | None = None,
         raise ValueError(f"unknown compute dtype {requested!r}; one of {', '.join(COMPUTE_DTYPES)}")
     if requested != "auto":
         return requested
-    if stored not in _NATIVE:
+    if stored not in NATIVE:
         return stored
-    import os
-    import platform
-
-    features = cpu_features() if features is None else features
-    if features is None:
-        return stored
-    machine = (machine or platform.machine()).lower()
-    x86, arm = _NATIVE[stored]
-    if machine in ("x86_64", "amd64", "i686"):
-        isa = (max_isa if max_isa is not None else os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL")).upper()
-        capped = isa != "ALL" and not any(k in isa for k in ("BF16", "FP16", "AMX", "AVX10"))
-        native = bool(features & x86) and not capped
-    elif machine in ("aarch64", "arm64"):
-        native = bool(features & arm)
-    else:
-        return stored
-    return stored if native else "float32"
+    return "float32" if native(stored, features, max_isa, machine) is False else stored
 
 
 # model types never packed (the module docstring): their padded batches change real tokens' states
