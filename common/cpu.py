@@ -5,7 +5,7 @@
 oneDNN, not ATen's dispatch, runs a bf16 linear layer on a CPU: with native dot products (x86 AVX-512 BF16
 or AMX; aarch64 ``bf16``) it beats float32, without them (AVX2, AVX-512 without BF16) it emulates them and
 runs several times slower (bench/compute_dtype.out: SmolLM2-135M prefill on an AVX2-only CPU, bf16 0.17x
-float32 per token; docs/drafter.md: a drafter training step 29 s under bf16 autocast here).
+float32 per token; docs/drafter.md: a drafter training step of 256 blocks, 29 s under bf16 autocast, 1.1 s in float32).
 """
 
 from __future__ import annotations
