@@ -20,13 +20,11 @@ Captures and drafters already complete under --work are reused.
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
 
 import frontier  # the HF-engine training capture
 import self_distill  # the held-out set and the fifth-length training
-from harness import header, mean_range
+from harness import header, mean_range, trained
 
 TRAIN = "train-360-hf"
 SEEDS = (0, 1, 2)
@@ -44,19 +42,12 @@ def main() -> None:
         print(f"- {name}: {s['total_rows']} rows, {s['total_tokens']:,} tokens; skipped {s['skipped']}\n"
               f"    {s['cmd']}", flush=True)
     from drafter.config import TrainConfig
-    from drafter.train import train
 
     results = []
     for seed in SEEDS:
-        out = args.work / "drafters" / f"{TRAIN}-s{seed}"
-        if not (out / "result.json").exists():
-            cfg = TrainConfig(run=str(args.work / TRAIN), out=str(out), heldout_run=str(args.work / "held-every"),
-                              seed=seed, steps=240, anchors_per_step=256, progress=False)
-            t0 = time.time()
-            r = train(cfg)
-            r["wall_s"] = round(time.time() - t0, 1)
-            (out / "result.json").write_text(json.dumps(r))
-        r = json.loads((out / "result.json").read_text())
+        r = trained(TrainConfig(run=str(args.work / TRAIN), out=str(args.work / "drafters" / f"{TRAIN}-s{seed}"),
+                                heldout_run=str(args.work / "held-every"), seed=seed, steps=240,
+                                anchors_per_step=256, progress=False))
         results.append(r)
         print(f"  seed {seed}: {r['data']['train']['conversations']} conversations, "
               f"{r['data']['train']['anchors']:,} anchors; "

@@ -24,14 +24,12 @@ Captures and drafters already complete under --work are reused.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 from pathlib import Path
 
 import learning_curve
 import self_distill
-from harness import header, mean_range
+from harness import header, mean_range, trained
 
 EVERY_900 = self_distill.COMMON + ["--dataset", "sharegpt", "--limit", "900", *self_distill.REGEN,
                                    "--regenerate-policy", "every"]
@@ -39,21 +37,13 @@ SEEDS = (0, 1, 2)
 SHORT = {"steps": 240, "anchors_per_step": 256}  # self_distill.py's fifth of the default training
 
 
-def trained(work: Path, run: str, name: str, seed: int, **extra) -> dict:
+def trained_short(work: Path, run: str, name: str, seed: int, **extra) -> dict:
     """The result of a drafter trained on ``work/run`` (SHORT, ``extra`` TrainConfig fields), trained
     here unless ``work/drafters/name-s{seed}/result.json`` holds it."""
     from drafter.config import TrainConfig
-    from drafter.train import train
 
-    out = work / "drafters" / f"{name}-s{seed}"
-    if not (out / "result.json").exists():
-        cfg = TrainConfig(run=str(work / run), out=str(out), heldout_run=str(work / "held-every"), seed=seed,
-                          progress=False, **SHORT, **extra)
-        t0 = time.time()
-        r = train(cfg)
-        r["wall_s"] = round(time.time() - t0, 1)
-        (out / "result.json").write_text(json.dumps(r))
-    r = json.loads((out / "result.json").read_text())
+    r = trained(TrainConfig(run=str(work / run), out=str(work / "drafters" / f"{name}-s{seed}"),
+                            heldout_run=str(work / "held-every"), seed=seed, progress=False, **SHORT, **extra))
     print(f"  {name} seed {seed}: {r['data']['train']['conversations']} conversations, "
           f"{r['data']['train']['anchors']:,} anchors, drafter {r['drafter']['accept_len']:.4f}, "
           f"hybrid {r['hybrid']['accept_len']:.4f} ({r['wall_s']} s)", flush=True)
@@ -77,9 +67,9 @@ def main() -> None:
 
     pairs = []  # (regenerated results, dataset-answer results) at the regenerated side's anchors
     for every in [n for n in ("train-every", "train-every-900") if n in captures]:
-        regen = [trained(args.work, every, every, seed) for seed in SEEDS]
+        regen = [trained_short(args.work, every, every, seed) for seed in SEEDS]
         anchors = regen[0]["data"]["train"]["anchors"]
-        dataset = [trained(args.work, "train-1500", f"dataset-{anchors}", seed, train_anchors=anchors)
+        dataset = [trained_short(args.work, "train-1500", f"dataset-{anchors}", seed, train_anchors=anchors)
                    for seed in SEEDS]
         pairs.append((regen, dataset))
 

@@ -20,7 +20,6 @@ trained this invocation (the others are reported where their drafters exist).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import frontier  # the probes and the state-size measure
 import learning_curve  # the captures
 import self_distill
-from harness import header, mean_range
+from harness import header, mean_range, trained
 
 CODECS = ("bf16-split", "probe-int1-b32", "probe-zero")  # bf16-split: the capture's own (lossless) codec
 SEEDS = (0, 1, 2)
@@ -68,7 +67,6 @@ def main() -> None:
         print(f"- {name}: {s['total_rows']} rows, {s['total_tokens']:,} tokens; skipped {s['skipped']}\n"
               f"    {s['cmd']}", flush=True)
     from drafter.config import TrainConfig
-    from drafter.train import train
 
     frontier.register_probes()
     wanted = args.codecs.split(",")
@@ -79,15 +77,9 @@ def main() -> None:
     for seed in SEEDS:  # seed-major: every codec once, then the next seed
         for codec in CODECS:
             out = drafter_dir(args.work, codec, seed)
-            if not (out / "result.json").exists():
-                if codec not in wanted:
-                    continue
-                cfg = TrainConfig(run=str(runs[codec]), out=str(out), heldout_run=held, seed=seed, progress=False)
-                t0 = time.time()
-                r = train(cfg)
-                r["wall_s"] = round(time.time() - t0, 1)
-                (out / "result.json").write_text(json.dumps(r))
-            r = json.loads((out / "result.json").read_text())
+            if codec not in wanted and not (out / "result.json").exists():
+                continue
+            r = trained(TrainConfig(run=str(runs[codec]), out=str(out), heldout_run=held, seed=seed, progress=False))
             results.setdefault(codec, []).append(r)
             print(f"  {codec} seed {seed}: {r['data']['train']['conversations']} conversations, "
                   f"drafter {r['drafter']['accept_len']:.4f}, lookup {r['lookup']['accept_len']:.4f}, "

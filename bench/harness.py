@@ -123,6 +123,21 @@ def workdir(prefix: str, given: Path | None = None) -> Path:
     return given
 
 
+def trained(cfg) -> dict:
+    """The result of the drafter a TrainConfig ``cfg`` describes: ``cfg.out``'s ``result.json``, or trained
+    now (:func:`drafter.train.train`, resumed from its last checkpoint if one was killed) and written there
+    with ``wall_s`` (seconds of the whole call, evaluations included)."""
+    from drafter.train import train
+
+    path = Path(cfg.out) / "result.json"
+    if not path.exists():
+        t0 = time.time()
+        result = train(cfg)
+        result["wall_s"] = round(time.time() - t0, 1)
+        path.write_text(json.dumps(result))
+    return json.loads(path.read_text())
+
+
 def mean_range(values: list[float]) -> str:
     """``mean (min-max)``, 3 decimals: a score over seeds."""
     return f"{statistics.mean(values):.3f} ({min(values):.3f}-{max(values):.3f})"

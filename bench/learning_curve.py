@@ -18,13 +18,11 @@ Captures and drafters already complete under --work are reused.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 from pathlib import Path
 
 import self_distill
-from harness import header
+from harness import header, trained
 
 TRAIN = self_distill.COMMON + ["--dataset", "sharegpt", "--limit", "1500"]
 SIZES = (300, 600, 0)  # train conversations (0: every one of the run, >= 1,200)
@@ -47,7 +45,6 @@ def main() -> None:
     if args.capture_only:
         return
     from drafter.config import TrainConfig
-    from drafter.train import train
 
     held = str(args.work / "held-every")
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -56,14 +53,8 @@ def main() -> None:
     for seed in seeds:  # seed-major: a whole curve first, then the other seeds
         for n in sizes:
             out = args.work / "drafters" / f"rows{n or 'all'}-s{seed}"
-            if not (out / "result.json").exists():
-                cfg = TrainConfig(run=str(args.work / "train-1500"), out=str(out), heldout_run=held, seed=seed,
-                                  train_rows=n, progress=False)
-                t0 = time.time()
-                r = train(cfg)
-                r["wall_s"] = round(time.time() - t0, 1)
-                (out / "result.json").write_text(json.dumps(r))
-            r = json.loads((out / "result.json").read_text())
+            r = trained(TrainConfig(run=str(args.work / "train-1500"), out=str(out), heldout_run=held, seed=seed,
+                                    train_rows=n, progress=False))
             table.setdefault(n, []).append(r)
             print(f"  rows {n or 'all'} seed {seed}: {r['data']['train']['conversations']} conversations, "
                   f"drafter {r['drafter']['accept_len']:.4f}, lookup {r['lookup']['accept_len']:.4f}, "
