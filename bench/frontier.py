@@ -129,20 +129,23 @@ def state_bytes(run: Path) -> tuple[int, int]:
     return stored, raw
 
 
-def recode_to(work: Path, codec: str) -> Path:
+def recode_to(work: Path, codec: str, source: str = "train-dataset", name: str | None = None) -> Path:
+    """``work/source`` recoded into ``codec`` as ``work/name`` (default ``train-{codec}``), once; the source
+    itself for its own codec, bf16-split."""
     from shards import manifest
     from shards.recode import recode
 
     if codec == "bf16-split":  # the capture's own codec
-        return work / "train-dataset"
-    out = work / f"train-{codec}"
+        return work / source
+    name = name or f"train-{codec}"
+    out = work / name
     done = manifest.read(out) if out.exists() else None
     if done is None or not done.complete:
         t0 = time.time()
-        counts = recode(work / "train-dataset", out, codec)
+        counts = recode(work / source, out, codec)
         how = ("shards.recode.recode in this process: a bench-only probe" if codec in PROBES else
-               f"capture shards recode $WORK/train-dataset $WORK/train-{codec} --codec {codec}")
-        print(f"- recoded train-dataset → {codec}: {counts['rows']} rows in {time.time() - t0:.1f} s ({how})",
+               f"capture shards recode $WORK/{source} $WORK/{name} --codec {codec}")
+        print(f"- recoded {source} → {codec}: {counts['rows']} rows in {time.time() - t0:.1f} s ({how})",
               flush=True)
     return out
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import frontier  # the probes and the state-size measure
@@ -36,23 +35,6 @@ SEEDS = (0, 1, 2)
 def drafter_dir(work: Path, codec: str, seed: int) -> Path:
     """Where a drafter trained on ``codec`` lives; lossless is learning_curve's ``rows all`` drafter."""
     return work / "drafters" / (f"rowsall-s{seed}" if codec == "bf16-split" else f"all-{codec}-s{seed}")
-
-
-def recoded(work: Path, codec: str) -> Path:
-    """train-1500 in ``codec`` (recoded once, in this process: the probes are not `--codec` choices)."""
-    from shards import manifest
-    from shards.recode import recode
-
-    if codec == "bf16-split":
-        return work / "train-1500"
-    out = work / f"train-1500-{codec}"
-    done = manifest.read(out) if out.exists() else None
-    if done is None or not done.complete:
-        t0 = time.time()
-        counts = recode(work / "train-1500", out, codec)
-        print(f"- recoded train-1500 → {codec}: {counts['rows']} rows in {time.time() - t0:.1f} s "
-              f"(shards.recode.recode in this process: a bench-only probe)", flush=True)
-    return out
 
 
 def main() -> None:
@@ -70,7 +52,7 @@ def main() -> None:
 
     frontier.register_probes()
     wanted = args.codecs.split(",")
-    runs = {c: recoded(args.work, c) for c in CODECS}
+    runs = {c: frontier.recode_to(args.work, c, "train-1500", f"train-1500-{c}") for c in CODECS}
     sizes = {c: frontier.state_bytes(run) for c, run in runs.items()}
     held = str(args.work / "held-every")
     results: dict[str, list[dict]] = {}
