@@ -10,6 +10,7 @@ float32 per token; docs/drafter.md: a drafter training step of 256 blocks, 29 s 
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 
@@ -23,16 +24,24 @@ def cpu_features(cpuinfo: str | None = None) -> set[str] | None:
     """The CPU's feature flags (``/proc/cpuinfo``'s ``flags`` line on x86, ``Features`` on aarch64, or the
     text ``cpuinfo``); None where there is no such file (macOS, Windows)."""
     if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
+        cpuinfo = _proc_cpuinfo()
+        if cpuinfo is None:
             return None
     for line in cpuinfo.splitlines():
         key, sep, value = line.partition(":")
         if sep and key.strip() in ("flags", "Features"):
             return set(value.split())
     return None
+
+
+@functools.cache
+def _proc_cpuinfo() -> str | None:
+    """``/proc/cpuinfo``, read once a process (the trainer asks at every forward); None where absent."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def native(dtype: str, features: set[str] | None = None, max_isa: str | None = None,

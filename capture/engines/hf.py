@@ -60,9 +60,9 @@ import numpy as np
 import torch
 
 from capture.engines.registry import option, option_names
-from common.cpu import NATIVE, native
 from capture.engines.base import Capabilities, Captured, Generated, Sampling
 from capture.targets import Taps, reduce_streams
+from common.cpu import NATIVE, native
 from shards.format import tap_column
 
 __all__ = ["Captured", "Generated", "HFEngine", "Sampling"]
