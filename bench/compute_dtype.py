@@ -28,7 +28,8 @@ def main() -> None:
     header()
     torch.set_num_threads(1)
 
-    from capture.engines.hf import HFEngine, compute_dtype
+    from capture.engines import compute_dtype
+    from capture.engines.hf import HFEngine
 
     mdir = str(smollm2())
     records = [r.input_ids[: args.max_tokens] for _, r in itertools.islice(encoded(mdir), 4 * args.rows)

@@ -25,15 +25,17 @@ LAYERS = (3, 15, 27)
 WARM = 2  # conversations in the warm-up call
 
 
-def _vllm(model_dir: str, mode: str, eager: bool, batch: list[np.ndarray], argmax: bool) -> tuple[float, int]:
-    """Seconds for one prefill of ``batch`` (after a warm-up) in a fresh vLLM engine; mode plain|extract|hooks."""
+def _vllm(model_dir: str, mode: str, eager: bool, batch: list[np.ndarray], argmax: bool,
+          dtype: str = "bfloat16") -> tuple[float, int]:
+    """Seconds for one prefill of ``batch`` (after a warm-up) in a fresh vLLM engine computing in ``dtype``
+    (states stored in bf16); mode plain|extract|hooks."""
     common = {"max_model_len": 4096, "enable_prefix_caching": False, "enforce_eager": eager}
     if mode == "plain":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM, SamplingParams, TokensPrompt
 
-        llm = LLM(model=model_dir, dtype="bfloat16", kv_cache_memory_bytes=1 << 30, seed=0, **common)
+        llm = LLM(model=model_dir, dtype=dtype, kv_cache_memory_bytes=1 << 30, seed=0, **common)
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1 if argmax else None)
 
         def run(b):
@@ -41,7 +43,8 @@ def _vllm(model_dir: str, mode: str, eager: bool, batch: list[np.ndarray], argma
     else:
         from capture.engines.vllm import VLLMEngine
 
-        eng = VLLMEngine(model_dir, smollm2_taps(LAYERS, "post-norm"), argmax=argmax, path=mode, engine_args=common)
+        eng = VLLMEngine(model_dir, smollm2_taps(LAYERS, "post-norm"), argmax=argmax, path=mode, engine_args=common,
+                         compute_dtype=None if dtype == "bfloat16" else dtype)
         run = eng.forward
     run(batch[:WARM])
     start = time.perf_counter()
@@ -49,10 +52,12 @@ def _vllm(model_dir: str, mode: str, eager: bool, batch: list[np.ndarray], argma
     return time.perf_counter() - start, sum(len(x) for x in batch)
 
 
-def _hf(model_dir: str, batch: list[np.ndarray], argmax: bool, batch_tokens: int = 8192) -> tuple[float, int]:
+def _hf(model_dir: str, batch: list[np.ndarray], argmax: bool, batch_tokens: int = 8192,
+        dtype: str = "bfloat16") -> tuple[float, int]:
     from capture.engines.hf import HFEngine
 
-    eng = HFEngine(model_dir, smollm2_taps(LAYERS, "post-norm"), argmax=argmax, threads=2)
+    eng = HFEngine(model_dir, smollm2_taps(LAYERS, "post-norm"), argmax=argmax, threads=2, dtype=dtype,
+                   state_dtype="bfloat16")
     eng.forward(batch[:WARM])
     ordered = sorted(batch, key=len, reverse=True)  # the replica's length batching
     groups, cur = [], []

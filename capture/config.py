@@ -102,7 +102,7 @@ class RunConfig:
     engine: str = "auto"  # a name of capture.engines.NAMES; auto: vllm when installed and a GPU is visible, else hf
     # the engines' own settings: each declared once, with its flag, choices, bounds, default and help, in
     # capture.engines.REGISTRY (the plan refuses one given to an engine that does not take it)
-    compute_dtype: str = _ENGINE["compute_dtype"]  # hf (--dtype): the arithmetic; states keep the target's dtype
+    compute_dtype: str = _ENGINE["compute_dtype"]  # hf, vllm (--dtype): the arithmetic; states keep the target's dtype
     device: str = _ENGINE["device"]  # hf: auto, cpu, cuda
     gpus_per_replica: int | None = _ENGINE["gpus_per_replica"]  # hf: GPUs per cuda replica (None: 1)
     vllm_path: str = _ENGINE["vllm_path"]  # vllm: extract | hooks | auto; see capture.engines.vllm_paths

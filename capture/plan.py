@@ -59,7 +59,8 @@ def prepare(cfg: RunConfig) -> Prepared:
     user error is raised here, before anything is written."""
     # the engine options asked for (each differs from its declared default), and per engine the flags of them it takes
     given = [o for o in engine_options() if o.given(getattr(cfg, o.name))]
-    name, why = resolve_engine(cfg.engine, {n: tuple(o.flag for o in given if o in entry.options)
+    name, why = resolve_engine(cfg.engine, {n: tuple(o.flag for o in given if o in entry.options
+                                                     and takers(o.name) == (n,))  # shared ones decide nothing
                                             for n, entry in REGISTRY.items()})
     ran = run_engine(cfg.out) if cfg.engine == "auto" else None
     if ran and ran != name:  # the states of one run come from one engine
@@ -131,7 +132,7 @@ def run_engine(out: str) -> str | None:
 
 
 def resume_arithmetic(cfg: RunConfig, prep: Prepared, existing: manifest_mod.Manifest) -> Prepared:
-    """``--dtype auto`` on a resume: the hf engine computes in the dtype the run started with (its header's
+    """``--dtype auto`` on a resume: the engine (hf, vllm) computes in the dtype the run started with (its header's
     ``engine.compute_dtype``; absent: the state dtype), whatever this machine's ``auto`` would pick, so the
     states of one run come from one arithmetic. A ``--dtype`` given explicitly must be the run's: another
     raises CaptureError naming both."""

@@ -1,5 +1,5 @@
 """Does this CPU compute a 16-bit float type natively? One owner for the HF engine's ``--dtype auto``
-(:func:`capture.engines.hf.compute_dtype`) and the drafter trainer's ``--precision auto``
+(:func:`capture.engines.compute_dtype`, the hf and vllm engines) and the drafter trainer's ``--precision auto``
 (:func:`drafter.evaluate.resolve_precision`).
 
 oneDNN, not ATen's dispatch, runs a bf16 linear layer on a CPU: with native dot products (x86 AVX-512 BF16

