@@ -419,7 +419,8 @@ def specforge_steps(folder, smol_dir, head) -> tuple[list[float], list[torch.Ten
     """3 optimizer steps of SpecForge 0.2's offline EAGLE-3 training, built from its own parts as its trainer
     assembles them (specforge.algorithms.eagle3: OfflineManifestReader, LocalFeatureStore + FeatureDataLoader
     with the EAGLE-3 normalizer and collator, a 1-layer LlamaForCausalLMEagle3 draft in OnlineEagle3Model
-    under Eagle3TrainStrategy with the frozen TargetHead, bf16, AdamW) on the folder's first 4 samples cut at 128
+    under Eagle3TrainStrategy with the frozen TargetHead, AdamW; in bf16 where this CPU computes it natively,
+    else float32: emulated bf16 took 462 s on an AVX2-only CPU, bench/test_suite.out) on the folder's first 4 samples cut at 128
     tokens, 2 per batch: the first batch, the second, the first again. Its KL loss is a Triton kernel (GPU only); on CPU the step uses the same module's reference
     implementation, ``specforge.core.loss._compute_loss``. Returns the losses and the trained weights."""
     import specforge.algorithms.eagle3.model as eagle3_model
@@ -430,6 +431,8 @@ def specforge_steps(folder, smol_dir, head) -> tuple[list[float], list[torch.Ten
     from specforge.runtime.data_plane.feature_store import LocalFeatureStore
     from specforge.training.strategies.base import Eagle3TrainStrategy
     from transformers import AutoConfig, LlamaConfig
+
+    from capture.engines import compute_dtype
 
     reference = specforge_loss._compute_loss._torchdynamo_orig_callable  # under its @torch.compile
     triton = eagle3_model.LogSoftmaxLoss
@@ -446,12 +449,16 @@ def specforge_steps(folder, smol_dir, head) -> tuple[list[float], list[torch.Ten
         draft = AutoDraftModel.from_config(cfg, attention_backend="sdpa")
         draft.load_embedding(str(smol_dir))
         draft.freeze_embedding()
-        model = eagle3_model.OnlineEagle3Model(draft_model=draft, length=2, attention_backend="sdpa").to(torch.bfloat16)
-        step = Eagle3TrainStrategy(model, target_head=head.to(torch.bfloat16))
+        dtype = getattr(torch, compute_dtype("auto", "bfloat16"))
+        model = eagle3_model.OnlineEagle3Model(draft_model=draft, length=2, attention_backend="sdpa").to(dtype)
+        step = Eagle3TrainStrategy(model, target_head=head.to(dtype))
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         losses = []
         first, second = loader
         for batch in (first, second, first):
+            # the stored bf16 states, cast to a float32 model's dtype (a no-op in bf16)
+            batch = dataclasses.replace(batch, tensors={k: v.to(dtype) if v.is_floating_point() else v
+                                                         for k, v in batch.tensors.items()})
             out = step.forward_loss(batch)
             out.loss.backward()
             opt.step()

@@ -42,10 +42,14 @@ def spans(mask: np.ndarray) -> list[tuple[int, int]]:
 
 @pytest.fixture(scope="module")
 def engine(smol_dir):
+    """The hf engine in the arithmetic ``capture run --dtype auto`` picks here (float32 on a CPU without native
+    bf16: emulated bf16 took 327 s of this module on an AVX2-only CPU, bench/test_suite.out)."""
+    from capture.engines import compute_dtype
     from capture.engines.hf import HFEngine
     from capture.targets import PRESETS, make_taps
 
-    return HFEngine(str(smol_dir), make_taps(PRESETS["smollm2-135m"], (3,), "none"), argmax=False)
+    return HFEngine(str(smol_dir), make_taps(PRESETS["smollm2-135m"], (3,), "none"), argmax=False,
+                    dtype=compute_dtype("auto", "bfloat16"), state_dtype="bfloat16")
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +76,7 @@ def test_last_turn_greedy_run(tmp_path, encoder, model):
     out = tmp_path / "run"
     args = ["run", "--out", str(out), "--dataset", str(data), "--layers", "3,15", "--responses", "regenerate",
             "--max-new-tokens", "16", "--chat-template-kwarg", "reasoning_effort=high", "--batch-tokens", "1",
-            "--dtype", "bfloat16", "--no-progress", "--json"]  # the reference's arithmetic on any CPU
+            "--no-progress", "--json"]  # --dtype auto: the reference's arithmetic (the engine fixture's)
     s = json.loads(capture_cli(*args, check=True).stdout)
     assert s["committed_rows"] == len(convs) and not s["skipped"] and not s["rejected"]
     assert capture_cli("shards", "verify", str(out)).returncode == 0
@@ -95,11 +99,12 @@ def test_last_turn_greedy_run(tmp_path, encoder, model):
         text = encoder.tokenizer.decode(prompt)
         assert text.endswith(conv.messages[-2][1] + "<|im_end|>\n<|im_start|>assistant\n")
         assert all(c in text for r, c in conv.messages[:-1])
-        # States of the stored ids: bit-exact against a plain HF forward (one record per forward).
+        # States of the stored ids: bit-exact against a plain HF forward (one record per forward), rounded to
+        # the run's bf16 as the engine rounds a float32 forward's (a no-op for a bf16 one).
         with torch.inference_mode():
             ref = model(torch.from_numpy(row["input_ids"].astype(np.int64))[None], output_hidden_states=True)
         for k in (3, 15):
-            assert torch.equal(row[f"tap_{k}"], ref.hidden_states[k + 1][0])
+            assert torch.equal(row[f"tap_{k}"], ref.hidden_states[k + 1][0].to(torch.bfloat16))
         np.testing.assert_array_equal(row["argmax"], ref.logits[0].argmax(-1).numpy())
     assert {"stop", "length"} <= set(reasons)  # row 24's answer ends at 12 tokens, rows 1, 2 and 18 run on
 
@@ -126,7 +131,7 @@ def test_every_turn_is_conditioned_on_the_targets_own_answers(tmp_path, smol_dir
     prompts = [prep.encoder.encode_prompt(c, "every") for c in convs]
     (tmp_path / "run").mkdir()
     replica = Replica(prep.model_dir, prep.taps, prep.header, str(tmp_path / "run"), shard_size=2**30,
-                      batch_tokens=1, threads=None, codec_threads=1)
+                      batch_tokens=1, threads=None, codec_threads=1, engine=prep.engine)  # --dtype auto's arithmetic
     replica.start()
     result = replica.process(prompts)
     shards = result.shards + replica.finish()
