@@ -79,16 +79,21 @@ def _spawn(fn, *args):
         return pool.submit(fn, *args).result()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--conversations", type=int, default=48)
+def prefill_batch(description: str, conversations: int) -> tuple[argparse.Namespace, str, list[np.ndarray]]:
+    """The bench's command line (``--conversations``, default ``conversations``; ``--max-tokens``), its header
+    printed, SmolLM2's folder and the first ShareGPT conversations within ``--max-tokens`` as token ids."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--conversations", type=int, default=conversations)
     ap.add_argument("--max-tokens", type=int, default=2048, help="skip longer conversations")
     args = ap.parse_args()
     header(env=("OMP_NUM_THREADS",))
-
     mdir = str(smollm2())
     kept = (r.input_ids for _, r in encoded(mdir) if not isinstance(r, str) and r.num_tokens <= args.max_tokens)
-    batch = list(itertools.islice(kept, args.conversations))
+    return args, mdir, list(itertools.islice(kept, args.conversations))
+
+
+def main() -> None:
+    args, mdir, batch = prefill_batch(__doc__.splitlines()[0], 48)
     tokens = sum(len(x) for x in batch)
     print(f"# {len(batch)} ShareGPT conversations, {tokens:,} tokens (template-rendered, <= {args.max_tokens} each); "
           f"taps {LAYERS} + post-norm final; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}; "

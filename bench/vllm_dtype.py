@@ -8,26 +8,16 @@ of its own (bench/vllm_capture.py's harness); the states are stored in bf16 eith
 
 from __future__ import annotations
 
-import argparse
-import itertools
 import os
 
-from harness import encoded, header, smollm2
-from vllm_capture import _hf, _spawn, _vllm
+from vllm_capture import _hf, _spawn, _vllm, prefill_batch
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--conversations", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=2048, help="skip longer conversations")
-    args = ap.parse_args()
-    header(env=("OMP_NUM_THREADS",))
+    _, mdir, batch = prefill_batch(__doc__.splitlines()[0], 16)
     from capture.engines import compute_dtype
     from common.cpu import cpu_features
 
-    mdir = str(smollm2())
-    kept = (r.input_ids for _, r in encoded(mdir) if not isinstance(r, str) and r.num_tokens <= args.max_tokens)
-    batch = list(itertools.islice(kept, args.conversations))
     flags = sorted((cpu_features() or set()) & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
     print(f"# {len(batch)} ShareGPT conversations, {sum(map(len, batch)):,} tokens; CPU flags {flags}; "
           f"--dtype auto picks {compute_dtype('auto', 'bfloat16')}; {os.cpu_count()} CPUs")

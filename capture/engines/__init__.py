@@ -196,8 +196,8 @@ def compute_dtype(requested: str, stored: str, features: set[str] | None = None,
     oneDNN, not ATen's dispatch, runs a bf16 linear layer: with ``ATEN_CPU_CAPABILITY=avx2`` alone this
     AVX-512 BF16 CPU still computed bf16 at 2.33x float32; capped with ``ONEDNN_MAX_CPU_ISA=AVX2`` too, at
     0.29x (an AVX2-only CPU: 42.7 vs 254.7 tokens per CPU-second, 0.17x; bench/compute_dtype.out,
-    SmolLM2-135M, one thread). vLLM-CPU alike: on an AVX2-only CPU it prefilled 451 tokens/s in float32 and
-    77 in bf16 (bench/vllm_dtype.out). ``features``, ``max_isa`` and ``machine`` default to this machine's."""
+    SmolLM2-135M, one thread). vLLM-CPU alike: on an AVX2-only CPU it captured 250 tokens/s in float32 and
+    58 in bf16 (bench/vllm_dtype.out). ``features``, ``max_isa`` and ``machine`` default to this machine's."""
     choices = option("compute_dtype").choices
     if requested not in choices:
         raise ValueError(f"unknown compute dtype {requested!r}; one of {', '.join(choices)}")
