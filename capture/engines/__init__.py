@@ -28,8 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 __all__ = ["NAMES", "REGISTRY", "EngineSpec", "Registered", "check_here", "compute_dtype", "engine_class", "engine_spec",
-           "installed",
-           "load_engine", "option", "option_names", "options", "resolve_device", "resolve_engine", "takers"]
+           "installed", "load_engine", "option", "option_names", "options", "resolve_device", "resolve_engine", "takers"]
 
 
 # vllm.LLM arguments capture sets itself
@@ -213,8 +212,7 @@ def engine_spec(name: str, vllm_path: str, vllm_args: dict[str, Any], model_conf
                 gpus: int | None = None, final: bool = True) -> EngineSpec:
     """Resolve ``auto`` (engine, vLLM path, the hf engine's device, the compute dtype ``requested`` for
     ``state_dtype`` states: :func:`compute_dtype` on a CPU; a GPU computes the state dtype natively) and
-    validate the vLLM arguments; raises CaptureError
-    before anything is written. ``gpus``: GPUs per cuda hf replica (None: 1); ``final``: the run stores a
+    validate the vLLM arguments; raises CaptureError before anything is written. ``gpus``: GPUs per cuda hf replica (None: 1); ``final``: the run stores a
     final state (the vLLM path must emit the last layer's output, :mod:`capture.engines.vllm_paths`)."""
     name = resolve_engine(name)[0]
     if name == "exl3":
