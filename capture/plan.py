@@ -148,7 +148,9 @@ def resume_arithmetic(cfg: RunConfig, prep: Prepared, existing: manifest_mod.Man
     log.info("resuming in the run's own compute dtype %s (--dtype auto would pick %s on this machine)",
              ran or prep.header.dtype, prep.engine.compute_dtype or prep.header.dtype)
     engine = dataclasses.replace(prep.engine, compute_dtype=ran)
-    return dataclasses.replace(prep, engine=engine, header=prep.header.replace(engine=engine.describe()))
+    choice = engine.label + prep.engine_choice.removeprefix(prep.engine.label)
+    return dataclasses.replace(prep, engine=engine, header=prep.header.replace(engine=engine.describe()),
+                               engine_choice=choice)
 
 
 def bytes_per_token(header: RunHeader, codec: str | None = None) -> float:

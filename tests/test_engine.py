@@ -410,12 +410,16 @@ def test_engine_auto_in_a_run(tmp_path):
     out = tmp_path / "r"
     small = capture_cli("run", "--out", str(out), "--limit", "2", "--max-tokens", "200", "--overlength", "truncate",
                         "--no-progress", check=True)
-    assert "engine: hf (auto: no CUDA device" in small.stdout
+    from capture.engines import compute_dtype
+
+    arithmetic = compute_dtype("auto", "bfloat16")  # said where it is not the stored bf16
+    computing = "" if arithmetic == "bfloat16" else f", computing in {arithmetic}"
+    assert f"engine: hf{computing} (auto: no CUDA device" in small.stdout
     if importlib.util.find_spec("vllm") is None:
         return
     plan = capture_cli("run", "--out", str(tmp_path / "p"), "--limit", "2", "--max-model-len", "512", "--dry-run",
                        "--json", "--no-progress", check=True)
-    assert json.loads(plan.stdout)["engine"] == "vllm, extract path (auto: --max-model-len given: a vLLM option)"
+    assert json.loads(plan.stdout)["engine"] == f"vllm, extract path{computing} (auto: --max-model-len given: a vLLM option)"
     again = capture_cli("run", "--out", str(out), "--limit", "3", "--max-model-len", "512", "--dry-run", "--json",
                         "--no-progress")
     assert again.returncode == 2 and "--max-model-len applies only to the vllm engine; this run uses hf (--engine " \

